@@ -1,0 +1,136 @@
+"""Attention strategies (DESIGN.md §2): `Dense()` or `BlockSparse(...)`.
+
+The strategy is a small frozen (hashable, static under jit) object; the per-row page budgets
+are traced arrays passed beside it, so changing budgets never recompiles. The same selection
+code (`pallas_kernels.selection`) serves incremental decode and the teacher-forced
+whole-sequence forward, so logits of the latter at position t equal those of decode at step t.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Union
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax.pallas_kernels import reference
+
+
+@dataclasses.dataclass(frozen=True)
+class Dense:
+  """Full causal attention."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSparse:
+  """Sparrow block-sparse attention: top-k pages by landmark score plus reserved pages.
+
+  `max_budget` is the static maximum of the traced per-row budgets (compiled shapes).
+  """
+
+  max_budget: int
+  landmark: str = "mean"
+  reserved_bos: int = 1
+  reserved_recent: int = 2
+  dense_layers: tuple[int, ...] = (0, 1)
+  backend: str = "auto"
+  query_chunk: int = 256
+
+  def __post_init__(self):
+    if self.max_budget < 1:
+      raise ValueError(f"BlockSparse.max_budget={self.max_budget}: expected >= 1")
+    if self.landmark not in ("mean", "quest"):
+      raise ValueError(f"BlockSparse.landmark={self.landmark!r}: expected 'mean' or 'quest'")
+    if self.reserved_bos < 0 or self.reserved_recent < 1:
+      raise ValueError(
+          f"BlockSparse reserved pages bos={self.reserved_bos} recent={self.reserved_recent}: "
+          "expected bos >= 0 and recent >= 1 (the partial page is always attended)")
+    object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+    from sparrow_jax.pallas_kernels import dispatch
+    dispatch.Backend(self.backend)  # validates the name
+
+  @property
+  def kind(self):
+    from sparrow_jax.pallas_kernels import selection
+    return selection.LandmarkKind(self.landmark)
+
+
+AttentionSpec = Union[Dense, BlockSparse]
+
+
+def is_sparse_layer(spec: AttentionSpec, layer: int) -> bool:
+  return isinstance(spec, BlockSparse) and layer not in spec.dense_layers
+
+
+def causal_attention(q, k, v, lengths, *, query_chunk: int = 512):
+  """Dense causal GQA attention, float32 softmax, chunked over queries.
+
+  q `[B, T, N, H]`, k/v `[B, T, K, H]`, lengths `[B]` -> `[B, T, N, H]`.
+  """
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  scale = h ** -0.5
+  kf = k.astype(jnp.float32)
+  vf = v.astype(jnp.float32)
+  key_pos = jnp.arange(t)
+  key_ok = key_pos[None, :] < lengths[:, None]  # [B, T]
+
+  def chunk_fn(q_chunk, q_pos):  # [B, C, N, H], [C]
+    qg = q_chunk.reshape(b, -1, kh, g, h).astype(jnp.float32)
+    s = jnp.einsum("bckgh,btkh->bkgct", qg, kf) * scale
+    ok = (key_pos[None, :] <= q_pos[:, None])[None] & key_ok[:, None, :]  # [B, C, T]
+    s = jnp.where(ok[:, None, None], s, reference.MASK_VALUE)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgct,btkh->bckgh", p, vf)
+    return o.reshape(b, -1, n, h)
+
+  if t <= query_chunk:
+    return chunk_fn(q, key_pos).astype(q.dtype)
+  nc = -(-t // query_chunk)
+  pad = nc * query_chunk - t
+  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  qc = qp.reshape(b, nc, query_chunk, n, h).transpose(1, 0, 2, 3, 4)
+  pos = jnp.arange(nc * query_chunk).reshape(nc, query_chunk)
+  out = jax.lax.map(lambda a: chunk_fn(*a), (qc, pos))  # [nc, B, C, N, H]
+  out = out.transpose(1, 0, 2, 3, 4).reshape(b, nc * query_chunk, n, h)[:, :t]
+  return out.astype(q.dtype)
+
+
+def full_sequence_attention(spec: AttentionSpec, layer: int, q, k, v, *, lengths,
+                            budgets=None, prompt_lengths=None):
+  """Teacher-forced attention of one layer for whole sequences starting at position 0."""
+  if not is_sparse_layer(spec, layer):
+    return causal_attention(q, k, v, lengths)
+  if budgets is None:
+    raise ValueError("BlockSparse attention needs `budgets` [B, T] (pages per query position)")
+  from sparrow_jax.pallas_kernels import teacher_forced
+  return teacher_forced.sparse_attention_teacher_forced(
+      q, k, v, budgets, lengths=lengths, prompt_lengths=prompt_lengths, kind=spec.kind,
+      max_budget=spec.max_budget, reserved_bos=spec.reserved_bos,
+      reserved_recent=spec.reserved_recent, query_chunk=spec.query_chunk)
+
+
+def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budgets=None):
+  """Attention of one new token per slot (`q [B, N, H]`) against the paged cache."""
+  k_pages, v_pages, lms = cache.layer(layer)
+  if not is_sparse_layer(spec, layer):
+    return reference.dense_decode_reference(q, k_pages, v_pages, cache.page_table, lengths)
+  if budgets is None:
+    raise ValueError("BlockSparse attention needs `budgets` [B] (pages per slot)")
+  if cache.landmark_kind != spec.landmark:
+    raise ValueError(f"cache keeps {cache.landmark_kind!r} landmarks but the attention spec "
+                     f"asks for {spec.landmark!r}")
+  from sparrow_jax.pallas_kernels import dispatch, selection
+  s = cache.page_size
+  gathered = tuple(selection.gather_landmarks(lm, cache.page_table) for lm in lms)
+  gathered = gathered[0] if spec.kind == selection.LandmarkKind.MEAN else gathered
+  scores = selection.score_pages(q, gathered, spec.kind)  # [B, K, M]
+  num_pages = (lengths + s - 1) // s
+  page_idx, valid = selection.select_pages(
+      scores, num_pages, budgets, max_budget=spec.max_budget, reserved_bos=spec.reserved_bos,
+      reserved_recent=spec.reserved_recent)
+  return dispatch.sparse_decode_attention(
+      q, k_pages, v_pages, cache.page_table, lengths, page_idx, valid,
+      backend=dispatch.Backend(spec.backend))

@@ -1,0 +1,312 @@
+"""Qwen3-family decoder in Flax NNX (also Qwen2 and Llama through config flags).
+
+One module serves three execution modes, all sharing the same projections, norms and RoPE:
+
+* `__call__` / `forward`: teacher-forced whole sequence, causal. Attention is a strategy
+  (`Dense()` or `BlockSparse(...)`, see `attention.py`); the block-sparse strategy selects pages
+  for every query position exactly as incremental decode would at that step.
+* `prefill`: a batch of prompts written into the paged KV cache (dense causal attention, as
+  in SGLang/Vortex where only decode is sparse).
+* `decode`: one token per sequence slot against the paged cache, dense or block-sparse.
+
+Weights use einsum-friendly layouts whose names end in their axes:
+`q_DNH [hidden, heads, head_dim]`, `k_DKH`, `v_DKH`, `o_NHD`, `gate_DF`, `up_DF`, `down_FD`,
+`embed_VD`, `lm_head_DV`. `dtype` is the compute dtype, `param_dtype` the storage dtype; norms,
+softmax and logits accumulate in float32.
+
+An optional LoRA tree (`lora.py`) adds `scale * (x @ A) @ B` to any of the projections
+q/k/v/o/gate/up/down. It is an argument, never a module attribute, so the dense policy's
+parameter tree cannot contain it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparrow_jax.models import attention as attn_lib
+from sparrow_jax.models.config import ModelConfig
+from sparrow_jax.models.kv_cache import PagedKVCache
+
+_INIT_STD = 0.02
+
+
+def _jdtype(name: str):
+  return jnp.dtype(name)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm computed in float32, output cast back to the compute dtype (as HF does)."""
+
+  def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+    self.eps = eps
+    self.dtype = dtype
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    y = (xf * jax.lax.rsqrt(var + self.eps)).astype(self.dtype)
+    return self.scale.value.astype(self.dtype) * y
+
+
+def _normal(rngs, shape, param_dtype):
+  return nnx.Param((_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32))
+                   .astype(param_dtype))
+
+
+def _apply_lora(y, x, lora_pair, eq_a: str, eq_b: str, dtype):
+  """y + scale * (x @ A) @ B for one projection; `lora_pair` = {"a", "b", "scale"}."""
+  if lora_pair is None:
+    return y
+  a = lora_pair["a"].astype(dtype)
+  b = lora_pair["b"].astype(dtype)
+  h = jnp.einsum(eq_a, x, a)
+  return y + (lora_pair["scale"] * jnp.einsum(eq_b, h, b)).astype(y.dtype)
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+  """cos/sin tables `[..., head_dim]` (float32) for integer positions, HF rotate-half layout."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [..., Dh/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+  """x `[..., heads, Dh]`, cos/sin `[..., Dh]` broadcast over heads; float32 math."""
+  xf = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  out = xf * cos[..., None, :] + rot * sin[..., None, :]
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """GQA attention projections with optional q/k RMSNorm (Qwen3) and q/k/v bias (Qwen2)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = _jdtype(cfg.param_dtype)
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    self.cfg = cfg
+    self.dtype = _jdtype(cfg.dtype)
+    self.q_DNH = _normal(rngs, (d, n, h), pd)
+    self.k_DKH = _normal(rngs, (d, k, h), pd)
+    self.v_DKH = _normal(rngs, (d, k, h), pd)
+    self.o_NHD = _normal(rngs, (n, h, d), pd)
+    if cfg.attention_bias:
+      self.q_bias_NH = nnx.Param(jnp.zeros((n, h), pd))
+      self.k_bias_KH = nnx.Param(jnp.zeros((k, h), pd))
+      self.v_bias_KH = nnx.Param(jnp.zeros((k, h), pd))
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=pd)
+      self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=pd)
+
+  def qkv(self, x, positions, lora=None):
+    """x `[..., D]` -> q `[..., N, H]`, k, v `[..., K, H]` with norms and RoPE applied."""
+    dt = self.dtype
+    lora = lora or {}
+    x = x.astype(dt)
+    q = jnp.einsum("...d,dnh->...nh", x, self.q_DNH.value.astype(dt))
+    k = jnp.einsum("...d,dkh->...kh", x, self.k_DKH.value.astype(dt))
+    v = jnp.einsum("...d,dkh->...kh", x, self.v_DKH.value.astype(dt))
+    q = _apply_lora(q, x, lora.get("q"), "...d,dr->...r", "...r,rnh->...nh", dt)
+    k = _apply_lora(k, x, lora.get("k"), "...d,dr->...r", "...r,rkh->...kh", dt)
+    v = _apply_lora(v, x, lora.get("v"), "...d,dr->...r", "...r,rkh->...kh", dt)
+    if self.cfg.attention_bias:
+      q = q + self.q_bias_NH.value.astype(dt)
+      k = k + self.k_bias_KH.value.astype(dt)
+      v = v + self.v_bias_KH.value.astype(dt)
+    if self.cfg.qk_norm:
+      q = self.q_norm(q)
+      k = self.k_norm(k)
+    cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+  def out(self, o, lora=None):
+    """o `[..., N, H]` -> `[..., D]`."""
+    dt = self.dtype
+    o = o.astype(dt)
+    y = jnp.einsum("...nh,nhd->...d", o, self.o_NHD.value.astype(dt))
+    return _apply_lora(y, o, (lora or {}).get("o"), "...nh,nhr->...r", "...r,rd->...d", dt)
+
+
+class MLP(nnx.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = _jdtype(cfg.param_dtype)
+    self.dtype = _jdtype(cfg.dtype)
+    self.gate_DF = _normal(rngs, (cfg.hidden_size, cfg.intermediate_size), pd)
+    self.up_DF = _normal(rngs, (cfg.hidden_size, cfg.intermediate_size), pd)
+    self.down_FD = _normal(rngs, (cfg.intermediate_size, cfg.hidden_size), pd)
+
+  def __call__(self, x, lora=None):
+    dt = self.dtype
+    lora = lora or {}
+    x = x.astype(dt)
+    g = x @ self.gate_DF.value.astype(dt)
+    u = x @ self.up_DF.value.astype(dt)
+    g = _apply_lora(g, x, lora.get("gate"), "...d,dr->...r", "...r,rf->...f", dt)
+    u = _apply_lora(u, x, lora.get("up"), "...d,dr->...r", "...r,rf->...f", dt)
+    h = jax.nn.silu(g) * u
+    y = h @ self.down_FD.value.astype(dt)
+    return _apply_lora(y, h, lora.get("down"), "...f,fr->...r", "...r,rd->...d", dt)
+
+
+class Block(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    pd = _jdtype(cfg.param_dtype)
+    dt = _jdtype(cfg.dtype)
+    self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, param_dtype=pd)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt,
+                                  param_dtype=pd)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+
+class Decoder(nnx.Module):
+  """Decoder-only transformer; `model(tokens)` returns float32 logits `[B, T, V]`."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None = None):
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    pd = _jdtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.dtype = _jdtype(cfg.dtype)
+    self.embed_VD = _normal(rngs, (cfg.vocab_size, cfg.hidden_size), pd)
+    self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=self.dtype,
+                              param_dtype=pd)
+    if not cfg.tie_word_embeddings:
+      self.lm_head_DV = _normal(rngs, (cfg.hidden_size, cfg.vocab_size), pd)
+
+  # --- pieces ---------------------------------------------------------------------------
+  def embed(self, tokens):
+    return jnp.take(self.embed_VD.value, tokens, axis=0).astype(self.dtype)
+
+  def logits(self, x):
+    """Final norm + LM head, accumulated and returned in float32."""
+    x = self.final_norm(x)
+    if self.cfg.tie_word_embeddings:
+      w = self.embed_VD.value.astype(self.dtype)
+      return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+    w = self.lm_head_DV.value.astype(self.dtype)
+    return jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
+
+  def _layer_lora(self, lora, i):
+    if lora is None:
+      return None
+    return lora["layers"][i]
+
+  # --- teacher-forced whole sequence ----------------------------------------------------
+  def __call__(self, tokens, *, lengths=None, attention: attn_lib.AttentionSpec | None = None,
+               budgets=None, prompt_lengths=None, lora=None, return_hidden: bool = False):
+    """Causal forward of whole sequences.
+
+    Args:
+      tokens: int32 `[B, T]`; each row starts at position 0.
+      lengths: int32 `[B]` valid tokens per row (keys past it are masked); default T.
+      attention: `Dense()` (default) or `BlockSparse(...)`.
+      budgets: int32 `[B, T]` top-k page budget per query position (BlockSparse only).
+      prompt_lengths: int32 `[B]`: queries before this position attend densely, as the
+        dense prefill of the generation engine does (BlockSparse only; default 0).
+      lora: optional LoRA tree (see `lora.py`).
+    Returns:
+      float32 logits `[B, T, V]` (and the final hidden states if `return_hidden`).
+    """
+    attention = attention if attention is not None else attn_lib.Dense()
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    if lengths is None:
+      lengths = jnp.full((b,), t, jnp.int32)
+    x = self.embed(tokens)
+    for i, layer in enumerate(self.layers):
+      ll = self._layer_lora(lora, i)
+      h = layer.input_norm(x)
+      q, k, v = layer.attn.qkv(h, positions, ll)
+      o = attn_lib.full_sequence_attention(
+          attention, i, q, k, v, lengths=lengths, budgets=budgets,
+          prompt_lengths=prompt_lengths)
+      x = x + layer.attn.out(o, ll)
+      x = x + layer.mlp(layer.post_attn_norm(x), ll)
+    out = self.logits(x)
+    return (out, x) if return_hidden else out
+
+  # --- paged cache: prefill -------------------------------------------------------------
+  def prefill(self, cache: PagedKVCache, tokens, lengths, slots, page_rows, lora=None):
+    """Write prompts into the cache and return the logits of each prompt's last token.
+
+    Args:
+      cache: the paged cache (all slots).
+      tokens: int32 `[n, T]` prompts, right-padded; T a multiple of the page size.
+      lengths: int32 `[n]` prompt lengths (≥ 1).
+      slots: int32 `[n]` destination slot of each prompt; an out-of-range slot (padding row)
+        is dropped.
+      page_rows: int32 `[n, M]` the page-table rows of those slots (physical page ids;
+        unused entries 0, the null page).
+    Returns:
+      (cache, logits float32 `[n, V]`).
+    """
+    n, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    cache = cache.assign_slots(slots, page_rows, lengths)
+    x = self.embed(tokens)
+    for i, layer in enumerate(self.layers):
+      ll = self._layer_lora(lora, i)
+      h = layer.input_norm(x)
+      q, k, v = layer.attn.qkv(h, positions, ll)
+      cache = cache.write_prompt(i, k, v, page_rows, lengths)
+      o = attn_lib.full_sequence_attention(attn_lib.Dense(), i, q, k, v, lengths=lengths)
+      x = x + layer.attn.out(o, ll)
+      x = x + layer.mlp(layer.post_attn_norm(x), ll)
+    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, D]
+    return cache, self.logits(last)
+
+  # --- paged cache: one decode step -----------------------------------------------------
+  def decode(self, cache: PagedKVCache, tokens, active, *,
+             attention: attn_lib.AttentionSpec | None = None, budgets=None, lora=None):
+    """Append one token per slot and return its logits.
+
+    Args:
+      cache: paged cache; `cache.lengths[b]` is the position of the new token of slot b.
+      tokens: int32 `[B]` the tokens to append.
+      active: bool `[B]`; inactive slots write to the null page and keep their length.
+      attention: `Dense()` or `BlockSparse(...)`.
+      budgets: int32 `[B]` top-k page budget of each slot at this step (BlockSparse only).
+    Returns:
+      (cache with lengths advanced for active slots, float32 logits `[B, V]`).
+    """
+    attention = attention if attention is not None else attn_lib.Dense()
+    positions = cache.lengths  # [B]
+    x = self.embed(tokens)  # [B, D]
+    new_lengths = positions + active.astype(jnp.int32)
+    for i, layer in enumerate(self.layers):
+      ll = self._layer_lora(lora, i)
+      h = layer.input_norm(x)
+      q, k, v = layer.attn.qkv(h, positions, ll)  # [B, N, H], [B, K, H]
+      cache = cache.write_token(i, k, v, active)
+      o = attn_lib.decode_attention(attention, i, q, cache, new_lengths, budgets=budgets)
+      x = x + layer.attn.out(o, ll)
+      x = x + layer.mlp(layer.post_attn_norm(x), ll)
+    cache = cache.replace(lengths=new_lengths)
+    return cache, self.logits(x)
+
+
+def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:
+  """A randomly initialised decoder."""
+  return Decoder(cfg, rngs=nnx.Rngs(seed))
+
+
+def param_count(model: Decoder) -> int:
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+# --- pure functional entry points (jitted steps take graphdef + state) ---------------------
+
+def forward(graphdef, state, tokens, **kw) -> Any:
+  """Pure-pytree form of `Decoder.__call__` for use inside jitted steps."""
+  model = nnx.merge(graphdef, state)
+  return model(tokens, **kw)
