@@ -1,0 +1,415 @@
+"""Verifiable rewards for GRPO: a registry of verifiers, DAPO's soft overlong punishment and a
+safe batch scorer that never stops training.
+
+A reward function maps `(completion: str, answer: str) -> float` (the per-sequence reward r_i
+that `grpo.group_advantages` turns into A_i). Built-ins:
+  math_verify   the last `\\boxed{...}` (else a LaTeX/plain expression) parsed by the
+                `math_verify` package and compared with the ground truth by `verify`
+                (numeric and symbolic equivalence: `\\frac{1}{2}` == `0.5`).
+  boxed_exact   the last `\\boxed{...}` (nested braces handled) compared as a normalised
+                string; fast, no sympy.
+  exact_match   the whole completion compared with the answer after light normalisation
+                (whitespace, case, trailing period, `$`), for the raw synthetic task.
+
+DAPO soft overlong punishment (`overlong_penalty`), counted in tokens: with maximum length
+L_max and buffer L_cache, a response of length L gets 0 when L <= L_max - L_cache,
+((L_max - L_cache) - L) / L_cache * factor inside the buffer, and -factor beyond L_max.
+
+`score_batch` / `RewardScorer` run a verifier over a batch in worker threads or processes with
+a per-item deadline (`timeout_s`): an item that raises or runs past its deadline gets reward 0
+and is counted in `ScoreResult.num_errors` / `num_timeouts`. math-verify's own timeouts use
+SIGALRM, which only works in the main thread, so the built-in verifier disables them
+(`parsing_timeout=None`, `timeout_seconds=None`) and relies on the scorer's deadline. A thread
+that hangs is abandoned (daemon; replaced by a fresh worker); a hung process worker is killed.
+Use `backend="process"` when a verifier can hang inside C code holding the GIL (e.g. sympy
+evaluating 2^(2^100)): only a process can be stopped then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import queue
+import re
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+RewardFn = Callable[[str, str], float]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+  """Decorator adding `fn(completion, answer) -> float` to the registry under `name`."""
+  if not isinstance(name, str) or not name:
+    raise ValueError(f"register_reward: name={name!r}; expected a non-empty string")
+
+  def deco(fn: RewardFn) -> RewardFn:
+    if name in _REGISTRY and _REGISTRY[name] is not fn:
+      raise ValueError(f"register_reward: name={name!r} is already registered to "
+                       f"{_REGISTRY[name]!r}; expected a new name")
+    _REGISTRY[name] = fn
+    return fn
+
+  return deco
+
+
+def get_reward(name: str) -> RewardFn:
+  if name not in _REGISTRY:
+    raise ValueError(f"get_reward: name={name!r} is not registered; expected one of "
+                     f"{sorted(_REGISTRY)}")
+  return _REGISTRY[name]
+
+
+def list_rewards() -> list[str]:
+  return sorted(_REGISTRY)
+
+
+# ----------------------------------------------------------------------------- extraction
+
+
+def last_boxed(text: str) -> str | None:
+  """Content of the last `\\boxed{...}` (or `\\fbox{...}`), nested braces balanced; None when
+  there is none or its braces never close."""
+  starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+  for start in reversed(starts):
+    depth = 1
+    for i in range(start, len(text)):
+      c = text[i]
+      if c == "{":
+        depth += 1
+      elif c == "}":
+        depth -= 1
+        if depth == 0:
+          return text[start:i]
+    # unbalanced: try an earlier box
+  return None
+
+
+def normalize_answer(text: str) -> str:
+  """Light normalisation: strip `$`, surrounding whitespace and a trailing period, collapse
+  inner whitespace, lower-case, drop `\\left`/`\\right` and thousands separators in numbers."""
+  s = text.strip().strip("$").strip()
+  s = s.replace("\\left", "").replace("\\right", "").replace("\\!", "")
+  s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)
+  s = re.sub(r"\s+", " ", s).rstrip(".").strip()
+  return s.lower()
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+
+@register_reward("exact_match")
+def exact_match(completion: str, answer: str) -> float:
+  return float(normalize_answer(completion) == normalize_answer(answer))
+
+
+@register_reward("boxed_exact")
+def boxed_exact(completion: str, answer: str) -> float:
+  pred = last_boxed(completion)
+  if pred is None:
+    return 0.0
+  gold = last_boxed(answer)
+  gold = answer if gold is None else gold
+  return float(normalize_answer(pred) == normalize_answer(gold))
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+  """math-verify warns once that its timeout is disabled; the scorer enforces its own."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+  logging.getLogger(_name).addFilter(_DropDisabledTimeoutWarning())
+
+
+@register_reward("math_verify")
+def math_verify_reward(completion: str, answer: str) -> float:
+  """1.0 when `math_verify.verify(parse(gold), parse(completion))`; thread-safe (no signals)."""
+  from math_verify import parse, verify  # sympy import is slow; pay it on first use
+
+  gold_text = answer if ("\\boxed" in answer or "$" in answer) else f"\\boxed{{{answer}}}"
+  gold = parse(gold_text, parsing_timeout=None)
+  if not gold:
+    return 0.0
+  pred = parse(completion, parsing_timeout=None)
+  if not pred:
+    return 0.0
+  return float(verify(gold, pred, timeout_seconds=None))
+
+
+# ----------------------------------------------------------------------------- overlong
+
+
+def overlong_penalty(lengths: np.ndarray | Sequence[int], *, max_len: int, buffer_len: int,
+                     penalty_factor: float = 1.0) -> np.ndarray:
+  """DAPO soft overlong punishment for response lengths in tokens -> float32 [B] (<= 0)."""
+  if not isinstance(max_len, int) or max_len <= 0:
+    raise ValueError(f"overlong_penalty: max_len={max_len!r}; expected a positive int")
+  if not isinstance(buffer_len, int) or not 0 < buffer_len <= max_len:
+    raise ValueError(f"overlong_penalty: buffer_len={buffer_len!r}; expected an int in "
+                     f"(0, max_len={max_len}]")
+  if penalty_factor < 0:
+    raise ValueError(f"overlong_penalty: penalty_factor={penalty_factor!r}; expected >= 0")
+  lengths = np.asarray(lengths, dtype=np.float64)  # [B]
+  start = max_len - buffer_len
+  inside = (start - lengths) / buffer_len * penalty_factor
+  pen = np.where(lengths <= start, 0.0, np.where(lengths <= max_len, inside, -penalty_factor))
+  return pen.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- safe scoring
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+  """Rewards float32 [B] (0 where the verifier failed) and failure counts for the metrics."""
+
+  rewards: np.ndarray
+  num_errors: int
+  num_timeouts: int
+  errors: tuple[str, ...] = ()  # first few "index: ExcType: message", for logs
+
+  def metrics(self, prefix: str = "reward/") -> dict[str, float]:
+    return {f"{prefix}num_errors": float(self.num_errors),
+            f"{prefix}num_timeouts": float(self.num_timeouts)}
+
+
+def _call(fn: RewardFn, completion: str, answer: str) -> tuple[bool, float | str]:
+  try:
+    value = float(fn(completion, answer))
+    if not np.isfinite(value):
+      return False, f"ValueError: non-finite reward {value!r}"
+    return True, value
+  except BaseException as e:  # noqa: BLE001 - a verifier must never stop training
+    return False, f"{type(e).__name__}: {e}"
+
+
+def _thread_worker(fn: RewardFn, inbox: queue.Queue, outbox: queue.Queue, wid: int):
+  while True:
+    item = inbox.get()
+    if item is None:
+      return
+    i, completion, answer = item
+    outbox.put((wid, i) + _call(fn, completion, answer))
+
+
+def _process_worker(fn: RewardFn, conn) -> None:
+  conn.send(("ready",))  # fn (and its module) is imported by now
+  while True:
+    try:
+      item = conn.recv()
+    except EOFError:
+      return
+    if item is None:
+      return
+    i, completion, answer = item
+    conn.send((i,) + _call(fn, completion, answer))
+
+
+class _ThreadWorker:
+
+  def __init__(self, fn: RewardFn, outbox: queue.Queue, wid: int):
+    self.wid = wid
+    self.inbox: queue.Queue = queue.Queue()
+    self.thread = threading.Thread(target=_thread_worker, args=(fn, self.inbox, outbox, wid),
+                                   daemon=True, name=f"reward-worker-{wid}")
+    self.thread.start()
+
+  def submit(self, item):
+    self.inbox.put(item)
+
+  def abandon(self):
+    self.inbox.put(None)  # it exits once (if ever) the hung call returns; result is ignored
+
+  close = abandon
+
+
+class _ProcessWorker:
+
+  def __init__(self, fn: RewardFn, ctx, wid: int):
+    self.wid = wid
+    self.dead = False
+    self.conn, child = ctx.Pipe()
+    self.proc = ctx.Process(target=_process_worker, args=(fn, child), daemon=True,
+                            name=f"reward-worker-{wid}")
+    try:
+      self.proc.start()
+    except Exception as e:  # e.g. a lambda or closure cannot be pickled for "spawn"
+      raise ValueError(f"RewardScorer.fn={fn!r} cannot be sent to a worker process ({e}); "
+                       f"expected a module-level function for backend='process'") from e
+    finally:
+      child.close()
+
+  def wait_ready(self, timeout_s: float = 120.0) -> None:
+    """Blocks until the child has imported `fn`, so start-up is not charged to a deadline."""
+    if not self.conn.poll(timeout_s):
+      self.abandon()
+      raise RuntimeError(f"reward worker {self.wid} did not start within {timeout_s} s")
+    try:
+      self.conn.recv()
+    except EOFError:
+      self.abandon()
+      raise RuntimeError(f"reward worker {self.wid} exited while starting (exit code "
+                         f"{self.proc.exitcode}); could it import the reward function?")
+
+  def submit(self, item):
+    self.conn.send(item)
+
+  def abandon(self):
+    self.proc.kill()
+    self.proc.join(timeout=5)
+    self.conn.close()
+
+  def close(self):
+    try:
+      self.conn.send(None)
+    except (BrokenPipeError, OSError):
+      pass
+    self.proc.join(timeout=2)
+    if self.proc.is_alive():
+      self.proc.kill()
+      self.proc.join(timeout=5)
+    self.conn.close()
+
+
+class RewardScorer:
+  """Persistent pool that scores batches with a per-item deadline; reuse it across steps.
+
+  `fn` must be picklable (a module-level function) for `backend="process"`; processes are
+  started with "spawn" (fork is unsafe once JAX has started its threads).
+  """
+
+  def __init__(self, fn: RewardFn | str, *, timeout_s: float = 10.0, num_workers: int = 4,
+               backend: str = "thread", max_logged_errors: int = 8):
+    if isinstance(fn, str):
+      fn = get_reward(fn)
+    if not callable(fn):
+      raise ValueError(f"RewardScorer.fn={fn!r}: expected a callable or a registered name")
+    if not timeout_s > 0:
+      raise ValueError(f"RewardScorer.timeout_s={timeout_s!r}: expected > 0 seconds")
+    if not isinstance(num_workers, int) or num_workers <= 0:
+      raise ValueError(f"RewardScorer.num_workers={num_workers!r}: expected a positive int")
+    if backend not in ("thread", "process"):
+      raise ValueError(f"RewardScorer.backend={backend!r}: expected 'thread' or 'process'")
+    self.fn, self.timeout_s, self.backend = fn, float(timeout_s), backend
+    self.max_logged_errors = max_logged_errors
+    self._next_wid = 0
+    self._outbox: queue.Queue = queue.Queue()
+    self._ctx = multiprocessing.get_context("spawn") if backend == "process" else None
+    self._workers = [self._new_worker(wait=False) for _ in range(num_workers)]
+    if backend == "process":
+      try:
+        for w in self._workers:  # started together, awaited together
+          w.wait_ready()
+      except Exception:
+        self.close()
+        raise
+
+  def _new_worker(self, wait: bool = True):
+    self._next_wid += 1
+    if self.backend == "thread":
+      return _ThreadWorker(self.fn, self._outbox, self._next_wid)
+    worker = _ProcessWorker(self.fn, self._ctx, self._next_wid)
+    if wait:
+      worker.wait_ready()
+    return worker
+
+  def _wait(self, busy: dict, timeout: float) -> list[tuple[int, int, bool, object]]:
+    """Results ready within `timeout` as (worker id, index, ok, value)."""
+    out = []
+    if self.backend == "thread":
+      try:
+        out.append(self._outbox.get(timeout=max(timeout, 0.0)))
+        while True:
+          out.append(self._outbox.get_nowait())
+      except queue.Empty:
+        pass
+      return out
+    conns = {w.conn: w for w, _ in busy.values()}
+    for conn in multiprocessing.connection.wait(list(conns), timeout=max(timeout, 0.0)):
+      try:
+        out.append((conns[conn].wid,) + conn.recv())
+      except (EOFError, OSError):  # the worker died (e.g. os._exit in the verifier)
+        w = conns[conn]
+        w.dead = True
+        out.append((w.wid, busy[w.wid][1][0], False, "WorkerDied: reward worker exited"))
+    return out
+
+  def __call__(self, completions: Sequence[str], answers: Sequence[str]) -> ScoreResult:
+    if len(completions) != len(answers):
+      raise ValueError(f"score_batch: {len(completions)} completions but {len(answers)} "
+                       f"answers; expected one answer per completion")
+    n = len(completions)
+    rewards = np.zeros(n, np.float32)  # [B]
+    errors: list[str] = []
+    num_errors = num_timeouts = 0
+    todo = list(range(n - 1, -1, -1))  # popped from the end: index order
+    idle = list(self._workers)
+    busy: dict[int, tuple[object, tuple[int, float]]] = {}  # wid -> (worker, (index, deadline))
+    while todo or busy:
+      while todo and idle:
+        w, i = idle.pop(), todo.pop()
+        w.submit((i, completions[i], answers[i]))
+        busy[w.wid] = (w, (i, time.monotonic() + self.timeout_s))
+      next_deadline = min(d for _, (_, d) in busy.values())
+      results = self._wait(busy, next_deadline - time.monotonic())
+      if any(d <= time.monotonic() for _, (_, d) in busy.values()):
+        # Drain once more: an answer may have arrived while a replacement worker was starting.
+        results += self._wait(busy, 0.0)
+      for wid, i, ok, value in results:
+        if wid not in busy:  # a late answer from an abandoned thread
+          continue
+        w, _ = busy.pop(wid)
+        if ok:
+          rewards[i] = value
+        else:
+          num_errors += 1
+          if len(errors) < self.max_logged_errors:
+            errors.append(f"{i}: {value}")
+          if self.backend == "process" and (w.dead or not w.proc.is_alive()):
+            w = self._replace(w)
+        idle.append(w)
+      now = time.monotonic()
+      for wid in [wid for wid, (_, (_, d)) in busy.items() if d <= now]:
+        w, (i, _) = busy.pop(wid)
+        num_timeouts += 1
+        if len(errors) < self.max_logged_errors:
+          errors.append(f"{i}: Timeout: verifier ran past timeout_s={self.timeout_s}")
+        idle.append(self._replace(w))
+    return ScoreResult(rewards=rewards, num_errors=num_errors, num_timeouts=num_timeouts,
+                       errors=tuple(errors))
+
+  def _replace(self, worker):
+    worker.abandon()
+    new = self._new_worker()
+    self._workers[self._workers.index(worker)] = new
+    return new
+
+  def close(self) -> None:
+    for w in self._workers:
+      w.close()
+    self._workers = []
+
+  def __enter__(self) -> "RewardScorer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def score_batch(fn: RewardFn | str, completions: Sequence[str], answers: Sequence[str], *,
+                timeout_s: float = 10.0, num_workers: int = 4,
+                backend: str = "thread") -> ScoreResult:
+  """Scores a batch once with a fresh pool (see `RewardScorer` to keep the pool across steps).
+  A verifier that raises or runs past `timeout_s` gives reward 0 and is counted."""
+  with RewardScorer(fn, timeout_s=timeout_s, num_workers=num_workers, backend=backend) as s:
+    return s(completions, answers)
+
