@@ -124,3 +124,23 @@ def test_bad_requests_are_clear_errors(model):
     GenerationEngine(model, EngineConfig(max_seq_len=CFG.max_position_embeddings + 1))
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=0.0)
+
+
+def test_greedy_equals_transformers_generate(tmp_path):
+  import torch
+  from sparrow_jax.models import load_pretrained
+  from tests.models.hf_utils import make_hf_model, save_hf
+
+  hf = make_hf_model("qwen3", seed=4, vocab=256)
+  path = save_hf(hf, tmp_path / "qwen3")
+  model = load_pretrained(path)
+  prompts = _prompts([5, 11], seed=9)
+  prompts = [[t % 256 for t in p] for p in prompts]
+  eng = GenerationEngine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_chunk=4))
+  sp = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+  outs = eng.generate([Request(p, sp, i) for i, p in enumerate(prompts)])
+  for p, o in zip(prompts, outs):
+    with torch.no_grad():
+      ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False,
+                        eos_token_id=None, pad_token_id=0)
+    assert list(o.token_ids) == ref[0, len(p):].tolist()
