@@ -202,9 +202,10 @@ class Decoder(nnx.Module):
     return lora["layers"][i]
 
   # --- teacher-forced whole sequence ----------------------------------------------------
-  def __call__(self, tokens, *, lengths=None, attention: attn_lib.AttentionSpec | None = None,
-               budgets=None, prompt_lengths=None, lora=None, return_hidden: bool = False):
-    """Causal forward of whole sequences.
+  def hidden_states(self, tokens, *, lengths=None,
+                    attention: attn_lib.AttentionSpec | None = None, budgets=None,
+                    prompt_lengths=None, lora=None):
+    """Residual stream after the last layer (before the final norm), `[B, T, D]`.
 
     Args:
       tokens: int32 `[B, T]`; each row starts at position 0.
@@ -214,8 +215,6 @@ class Decoder(nnx.Module):
       prompt_lengths: int32 `[B]`: queries before this position attend densely, as the
         dense prefill of the generation engine does (BlockSparse only; default 0).
       lora: optional LoRA tree (see `lora.py`).
-    Returns:
-      float32 logits `[B, T, V]` (and the final hidden states if `return_hidden`).
     """
     attention = attention if attention is not None else attn_lib.Dense()
     b, t = tokens.shape
@@ -232,8 +231,15 @@ class Decoder(nnx.Module):
           prompt_lengths=prompt_lengths)
       x = x + layer.attn.out(o, ll)
       x = x + layer.mlp(layer.post_attn_norm(x), ll)
-    out = self.logits(x)
-    return (out, x) if return_hidden else out
+    return x
+
+  def __call__(self, tokens, **kw):
+    """Causal forward of whole sequences: float32 logits `[B, T, V]`.
+
+    Takes the keyword arguments of `hidden_states`. For long sequences and large vocabularies
+    prefer `sparrow_jax.rl.logprobs.token_logprobs`, which never materialises `[B, T, V]`.
+    """
+    return self.logits(self.hidden_states(tokens, **kw))
 
   # --- paged cache: prefill -------------------------------------------------------------
   def prefill(self, cache: PagedKVCache, tokens, lengths, slots, page_rows, lora=None):

@@ -1,0 +1,231 @@
+"""Training configuration: one frozen, keyword-only `TrainConfig`, named presets, and
+`key=value` overrides from the command line (unknown keys and bad values are errors).
+
+Paper symbols: G = `group_size` (rollouts per prompt), ε_low/ε_high = `eps_low`/`eps_high`
+(DAPO clip-higher), β = `kl_coef`, C = `tis_cap` (truncated importance sampling of the sparse
+rollout against the dense policy), tau = `tau` (acceptance-rate tail threshold).
+Defaults follow the Sparrow release's math GRPO launch script where it gives a value
+(G = 8, lr 1e-6, clip 0.2/0.28, low_var_kl with β = 0, entropy 0, top-20 log-probs kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  # model
+  model: str = "tiny"  # ModelConfig preset (architecture when model_path is set too)
+  model_path: str | None = None  # HF safetensors dir or .gguf file; None = random init
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+  seed: int = 0
+  # data and rewards
+  data: str = "synthetic:arithmetic"  # or a local .jsonl / .parquet file
+  prompt_key: str | None = None
+  answer_key: str = "answer"
+  chat_template: bool = True
+  arith_min_digits: int = 1
+  arith_max_digits: int = 2
+  arith_ops: str = "+-"
+  arith_template: str = "boxed"
+  num_examples: int = 2000  # synthetic set size
+  reward: str = "boxed_exact"
+  reward_timeout_s: float = 10.0
+  overlong_buffer: int = 0  # DAPO soft overlong penalty buffer in tokens (0 = off)
+  # rollout (sparse actor)
+  prompts_per_step: int = 8
+  group_size: int = 8  # G
+  max_prompt_len: int = 512
+  max_new_tokens: int = 1024
+  temperature: float = 1.0
+  top_p: float = 1.0
+  schedule: str = "dense"  # preset name | JSON path | constant:K | dense
+  page_size: int = 16
+  landmark: str = "mean"
+  dense_layers: str = ""  # comma-separated layers kept dense ("" = the schedule's own, 0,1)
+  attention_backend: str = "auto"
+  num_slots: int = 64
+  decode_chunk: int = 16
+  # optimisation (dense policy)
+  num_steps: int = 100
+  lr: float = 1e-6
+  lr_schedule: str = "constant"  # constant | cosine
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
+  ppo_epochs: int = 1
+  mini_batch_size: int = 0  # sequences per update; 0 = the whole batch
+  eps_low: float = 0.2
+  eps_high: float = 0.28
+  dual_clip_c: float | None = None
+  loss_agg: str = "token-mean"
+  normalize_adv_std: bool = True  # False = Dr.GRPO
+  kl_coef: float = 0.0
+  kl_kind: str = "low_var_kl"
+  entropy_coeff: float = 0.0
+  tis_cap: float | None = None  # C
+  tis_mask_threshold: float | None = None
+  dynamic_sampling: bool = False
+  max_bad_steps: int = 3  # NaN/inf steps in a row before the run stops
+  logprob_chunk: int = 128
+  # supervised warm start (random-init models only need it)
+  warmstart_steps: int = 0
+  warmstart_lr: float = 3e-3
+  warmstart_batch: int = 32
+  # DistillSparse (sparse-actor LoRA)
+  distill: bool = False
+  lora_rank: int = 8
+  lora_alpha: float = 16.0
+  lora_targets: str = "q,k,v,o,gate,up,down"
+  distill_lr: float = 1e-4
+  distill_coef: float = 1.0
+  distill_kind: str = "k3"  # k3 | reverse_kl_full
+  # mismatch monitor and schedule ladder
+  monitor_topk: int = 20
+  mismatch_bin_size: int = 2048
+  tau: float = 0.86
+  ladder: str = ""  # comma-separated schedules after `schedule`, most aggressive last
+  ladder_patience: int = 3
+  probe_every: int = 5
+  # checkpoints, logging, sharding
+  out_dir: str = "runs/default"
+  save_every: int = 0  # 0 = only at the end
+  keep_last: int = 3
+  export_hf: bool = False
+  mesh: str = "data=1,fsdp=-1,tensor=1"
+  tensorboard: bool = True
+  device_memory_gb: float = 141.0
+
+  def __post_init__(self):
+    pos_int = ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens",
+               "page_size", "num_slots", "decode_chunk", "ppo_epochs", "max_bad_steps",
+               "logprob_chunk", "warmstart_batch", "lora_rank", "monitor_topk",
+               "mismatch_bin_size", "keep_last", "ladder_patience", "probe_every",
+               "num_examples")
+    for f in pos_int:
+      v = getattr(self, f)
+      if not isinstance(v, int) or v < 1:
+        raise ValueError(f"{f}={v!r}: expected a positive integer")
+    for f in ("num_steps", "warmup_steps", "warmstart_steps", "save_every", "mini_batch_size",
+              "overlong_buffer"):
+      if getattr(self, f) < 0:
+        raise ValueError(f"{f}={getattr(self, f)!r}: expected >= 0")
+    if self.group_size < 2:
+      raise ValueError(f"group_size={self.group_size}: GRPO needs at least 2 samples per prompt")
+    if self.mini_batch_size and (self.prompts_per_step * self.group_size) % self.mini_batch_size:
+      raise ValueError(f"mini_batch_size={self.mini_batch_size} must divide "
+                       f"prompts_per_step*group_size={self.prompts_per_step * self.group_size}")
+    for f in ("lr", "warmstart_lr", "distill_lr"):
+      if not getattr(self, f) > 0:
+        raise ValueError(f"{f}={getattr(self, f)!r}: expected > 0")
+    if not 0 < self.tau < 1:
+      raise ValueError(f"tau={self.tau}: expected in (0, 1)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p={self.top_p}: expected in (0, 1]")
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature}: expected >= 0")
+    choices = {"lr_schedule": ("constant", "cosine"), "landmark": ("mean", "quest"),
+               "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+               "kl_kind": ("k1", "k2", "k3", "low_var_kl"),
+               "distill_kind": ("k3", "reverse_kl_full"),
+               "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
+               "arith_template": ("boxed", "raw"),
+               "attention_backend": ("auto", "xla", "pallas", "pallas_interpret")}
+    for f, ok in choices.items():
+      if getattr(self, f) not in ok:
+        raise ValueError(f"{f}={getattr(self, f)!r}: expected one of {ok}")
+
+  @property
+  def batch_size(self) -> int:
+    return self.prompts_per_step * self.group_size
+
+  def replace(self, **kw) -> "TrainConfig":
+    return dataclasses.replace(self, **kw)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+_GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=2048,
+            max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=256,
+            lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
+            reward="math_verify", mini_batch_size=64, tis_cap=2.0, num_steps=500,
+            save_every=20, monitor_topk=20, mismatch_bin_size=2048, tau=0.86)
+
+PRESETS: dict[str, TrainConfig] = {
+    # The embedded default: random-init tiny Qwen3 + byte tokenizer, a supervised warm start
+    # on single-digit arithmetic, then GRPO on sparse rollouts (page 8, 1 top-k page + 3
+    # reserved, layer 0 dense) with DistillSparse on. Finishes in minutes on a laptop CPU.
+    "tiny": TrainConfig(
+        model="tiny", arith_min_digits=1, arith_max_digits=1, arith_ops="+",
+        arith_template="raw", num_examples=32, reward="exact_match", prompts_per_step=16,
+        group_size=8, max_prompt_len=32, max_new_tokens=4, temperature=1.0,
+        schedule="constant:1", page_size=4, dense_layers="0", num_slots=128, decode_chunk=4,
+        num_steps=60, lr=1e-3, warmup_steps=0, max_grad_norm=1.0, warmstart_steps=60,
+        warmstart_lr=3e-3,
+        warmstart_batch=32, distill=True, lora_rank=4, distill_lr=3e-3,
+        out_dir="runs/tiny", tensorboard=True, mismatch_bin_size=8, monitor_topk=8,
+        probe_every=4),
+    "smollm2_135m": TrainConfig(
+        model="smollm2_135m", arith_min_digits=1, arith_max_digits=2, arith_template="boxed",
+        reward="boxed_exact", prompts_per_step=4, group_size=4, max_prompt_len=128,
+        max_new_tokens=64, schedule="constant:4", num_slots=16, num_steps=10, lr=1e-6,
+        out_dir="runs/smollm2_135m", mismatch_bin_size=512),
+    **{name: TrainConfig(model=name, schedule=sched, out_dir=f"runs/{name}", **_GPU)
+       for name, sched in [("qwen3_0p6b", "qwen3-1.7b-0.86"), ("qwen3_1p7b", "qwen3-1.7b-0.86"),
+                           ("qwen3_4b", "qwen3-4b-0.86"), ("qwen3_8b", "qwen3-8b-0.86"),
+                           ("qwen3_14b", "qwen3-14b-0.86")]},
+}
+
+
+def _parse_value(field: dataclasses.Field, raw: str):
+  tp = typing.get_type_hints(TrainConfig)[field.name]
+  args = typing.get_args(tp)
+  if type(None) in args:
+    if raw.lower() in ("none", "null", ""):
+      return None
+    tp = next(a for a in args if a is not type(None))
+  base = tp
+  if base is bool:
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+      return True
+    if low in ("0", "false", "no", "off"):
+      return False
+    raise ValueError(f"{field.name}={raw!r}: expected a boolean (true/false)")
+  if base is int:
+    try:
+      return int(raw)
+    except ValueError:
+      raise ValueError(f"{field.name}={raw!r}: expected an integer") from None
+  if base is float:
+    try:
+      return float(raw)
+    except ValueError:
+      raise ValueError(f"{field.name}={raw!r}: expected a number") from None
+  return raw
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+  """Parse `key=value` strings into typed TrainConfig field values."""
+  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  out = {}
+  for item in items:
+    if "=" not in item:
+      raise ValueError(f"override {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip().replace("-", "_")
+    if key not in fields:
+      raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+    out[key] = _parse_value(fields[key], raw.strip())
+  return out
+
+
+def get_train_config(name: str, overrides: Sequence[str] = ()) -> TrainConfig:
+  if name not in PRESETS:
+    raise ValueError(f"unknown training preset {name!r}; valid presets: {sorted(PRESETS)}")
+  return PRESETS[name].replace(**parse_overrides(overrides))

@@ -1,0 +1,80 @@
+"""Per-token log-probs, entropies and top-k log-probs of teacher-forced sequences.
+
+The LM head is applied chunk by chunk over time under `jax.checkpoint`, so neither the forward
+nor the backward pass ever holds `[B, T, V]` float32 logits: with Qwen3's 151,936-token
+vocabulary and 8K-token responses those would be tens of GB.
+
+Convention: `logp[b, t] = log p(tokens[b, t] | tokens[b, :t])` for t ≥ 1 and 0 at t = 0, so a
+response mask over token positions applies to log-probs directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax.models.decoder import Decoder
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenStats:
+  logp: jax.Array  # [B, T] float32
+  entropy: jax.Array | None = None  # [B, T] float32
+  topk_ids: jax.Array | None = None  # [B, T, k] int32
+  topk_logp: jax.Array | None = None  # [B, T, k] float32
+
+
+jax.tree_util.register_dataclass(TokenStats, data_fields=["logp", "entropy", "topk_ids",
+                                                          "topk_logp"], meta_fields=[])
+
+
+def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: int = 0,
+                    with_entropy: bool = False) -> TokenStats:
+  """Stats from final hidden states `[B, T, D]` (pre final norm) and tokens `[B, T]`."""
+  b, t, d = hidden.shape
+  # Position t predicts token t + 1: shift targets left; the last position predicts nothing.
+  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+  nc = -(-t // chunk)
+  pad = nc * chunk - t
+  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, chunk, d).swapaxes(0, 1)
+  tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, nc, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    hc, tc = args  # [B, C, D], [B, C]
+    lp = jax.nn.log_softmax(model.logits(hc), axis=-1)  # [B, C, V] float32
+    out = [jnp.take_along_axis(lp, tc[..., None], axis=-1)[..., 0]]
+    if with_entropy:
+      out.append(-jnp.sum(jnp.exp(lp) * lp, axis=-1))
+    if topk:
+      vals, ids = jax.lax.top_k(lp, topk)
+      out += [ids.astype(jnp.int32), vals]
+    return tuple(out)
+
+  res = jax.lax.map(one, (h, tg))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(b, nc * chunk, *x.shape[3:])[:, :t]
+  res = [unchunk(x) for x in res]
+  # Shift back so logp[:, t] scores tokens[:, t]; position 0 has no prediction.
+  shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+  logp = shift(res[0])
+  i = 1
+  entropy = None
+  if with_entropy:
+    entropy = shift(res[i])
+    i += 1
+  topk_ids = topk_logp = None
+  if topk:
+    topk_ids, topk_logp = shift(res[i]), shift(res[i + 1])
+  return TokenStats(logp=logp, entropy=entropy, topk_ids=topk_ids, topk_logp=topk_logp)
+
+
+def token_logprobs(model: Decoder, tokens, *, lengths=None, attention=None, budgets=None,
+                   prompt_lengths=None, lora=None, chunk: int = 128, topk: int = 0,
+                   with_entropy: bool = False) -> TokenStats:
+  """Teacher-forced per-token stats of `tokens [B, T]` (dense or block-sparse, ± LoRA)."""
+  hidden = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
+                               prompt_lengths=prompt_lengths, lora=lora)
+  return logits_to_stats(model, hidden, tokens, chunk=chunk, topk=topk,
+                         with_entropy=with_entropy)

@@ -1,0 +1,462 @@
+"""GRPO trainer with sparse rollouts (the data path of DESIGN.md, one RL step at a time).
+
+    prompts -> rollout (sparse actor: policy + LoRA, schedule-driven block-sparse decode)
+            -> rewards -> dense recompute (policy only, teacher-forced, full attention)
+            -> mismatch monitor -> GRPO update (policy only) -> DistillSparse (LoRA only)
+            -> metrics / checkpoint
+
+Jitted steps take pure pytrees: `params` (the dense policy, an `nnx.State`), the optimizer
+state, and for DistillSparse a separate `lora` tree with its own optimizer. The recompute and
+the GRPO update never receive `lora`, so the policy update cannot depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from sparrow_jax.models import attention as attn_lib
+from sparrow_jax.models.config import ModelConfig, get_config
+from sparrow_jax.models.decoder import Decoder, init_model
+from sparrow_jax.rl import data as data_lib
+from sparrow_jax.rl import grpo, rewards as rewards_lib
+from sparrow_jax.rl.config import TrainConfig
+from sparrow_jax.rl.logprobs import token_logprobs
+from sparrow_jax.rl.metrics import MetricsLogger
+from sparrow_jax.rl.rollout import (BudgetTable, EngineConfig, GenerationEngine, Request,
+                                    teacher_forced_budgets)
+from sparrow_jax.rl.sampling import SamplingParams
+from sparrow_jax.rl.tokenizers import ByteTokenizer
+from sparrow_jax.schedule import mismatch, presets
+from sparrow_jax.schedule.schedule import SparsitySchedule, max_budget, parse_schedule
+
+
+class TrainingStopped(RuntimeError):
+  """The run stopped on purpose (e.g. too many non-finite steps in a row)."""
+
+
+# --- building blocks -----------------------------------------------------------------------
+
+def build_model(cfg: TrainConfig) -> tuple[Decoder, Any]:
+  """The policy and its tokenizer: random init (byte tokenizer) or a local checkpoint."""
+  if cfg.model_path:
+    from sparrow_jax.models import load_pretrained, load_tokenizer
+    if not os.path.exists(cfg.model_path):
+      raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
+    model = load_pretrained(cfg.model_path, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    return model, load_tokenizer(cfg.model_path)
+  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  if mcfg.name != "tiny":
+    raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
+                     "only the 'tiny' preset trains from random initialisation")
+  tok = ByteTokenizer()
+  mcfg = mcfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_ids=(tok.eos_token_id,),
+                      pad_token_id=tok.pad_token_id)
+  return init_model(mcfg, seed=cfg.seed), tok
+
+
+def build_schedule(cfg: TrainConfig, spec: str | None = None) -> SparsitySchedule:
+  spec = spec or cfg.schedule
+  sched = parse_schedule(spec)
+  kw = {}
+  if cfg.dense_layers.strip():
+    kw["dense_layers"] = tuple(int(x) for x in cfg.dense_layers.split(","))
+  if sched.page_size != cfg.page_size:
+    if spec.startswith("constant:") or spec == "dense":
+      kw["page_size"] = cfg.page_size
+    else:
+      raise ValueError(f"schedule {spec!r} is for page_size={sched.page_size} but the config "
+                       f"has page_size={cfg.page_size}")
+  if not sched.is_dense and sched.landmark != cfg.landmark:
+    kw["landmark"] = cfg.landmark
+  return dataclasses.replace(sched, **kw) if kw else sched
+
+
+def attention_for(schedule: SparsitySchedule, backend: str = "auto") -> attn_lib.AttentionSpec:
+  if schedule.is_dense:
+    return attn_lib.Dense()
+  return attn_lib.BlockSparse(
+      max_budget=max_budget(schedule), landmark=schedule.landmark,
+      reserved_bos=schedule.reserved_bos, reserved_recent=schedule.reserved_recent,
+      dense_layers=schedule.dense_layers, backend=backend)
+
+
+def build_examples(cfg: TrainConfig) -> list[data_lib.PromptExample]:
+  if cfg.data.startswith("synthetic:"):
+    task = cfg.data.split(":", 1)[1]
+    if task != "arithmetic":
+      raise ValueError(f"data={cfg.data!r}: the built-in synthetic task is "
+                       "'synthetic:arithmetic'")
+    acfg = data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
+                                     max_digits=cfg.arith_max_digits,
+                                     operations=tuple(cfg.arith_ops),
+                                     template=cfg.arith_template)
+    return data_lib.arithmetic_examples(cfg.num_examples, seed=cfg.seed, config=acfg)
+  if not cfg.data:
+    raise ValueError("data= is required for this preset (a local .jsonl or .parquet file)")
+  if not os.path.exists(cfg.data):
+    raise FileNotFoundError(f"data={cfg.data!r} does not exist")
+  return data_lib.load_prompts(cfg.data, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+
+
+def encode_prompt(tokenizer, example: data_lib.PromptExample, use_chat: bool) -> list[int]:
+  if isinstance(tokenizer, ByteTokenizer):
+    return tokenizer.encode(example.prompt if isinstance(example.prompt, str)
+                            else "\n".join(m["content"] for m in example.prompt))
+  text = data_lib.apply_chat_template(tokenizer if use_chat else None, example)
+  return list(tokenizer(text, add_special_tokens=not (use_chat and tokenizer.chat_template))
+              ["input_ids"])
+
+
+def _bucket(n: int, minimum: int = 32) -> int:
+  return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def make_optimizer(cfg: TrainConfig, lr: float | None = None, total_steps: int | None = None):
+  lr = lr if lr is not None else cfg.lr
+  total = max(1, total_steps if total_steps is not None else cfg.num_steps)
+  if cfg.lr_schedule == "cosine":
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(cfg.warmup_steps, 1), total,
+                                               end_value=0.1 * lr)
+  elif cfg.warmup_steps:
+    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, cfg.warmup_steps),
+                                  optax.constant_schedule(lr)], [cfg.warmup_steps])
+  else:
+    sched = optax.constant_schedule(lr)
+  tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                   optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-8,
+                               weight_decay=cfg.weight_decay))
+  return tx, sched
+
+
+def _guarded_apply(tx, params, opt_state, grads, loss):
+  """Apply the update only when loss and gradients are finite (else keep everything)."""
+  gnorm = optax.global_norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+  updates, new_opt = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  return keep(new_params, params), keep(new_opt, opt_state), ok, gnorm
+
+
+# --- the trainer ---------------------------------------------------------------------------
+
+class Trainer:
+  def __init__(self, cfg: TrainConfig, *, quiet: bool = False):
+    self.cfg = cfg
+    self.quiet = quiet
+    model, self.tokenizer = build_model(cfg)
+    self.model_cfg: ModelConfig = model.cfg
+    self.schedule = build_schedule(cfg)
+    self.attention = attention_for(self.schedule, cfg.attention_backend)
+    self.budget_table = None if self.schedule.is_dense else BudgetTable.from_any(self.schedule)
+    self.graphdef, self.params = nnx.split(model)
+    self.ref_params = (jax.tree.map(jnp.copy, self.params) if cfg.kl_coef > 0 else None)
+    max_len = cfg.max_prompt_len + cfg.max_new_tokens
+    self.engine = GenerationEngine(
+        model, EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len,
+                            page_size=cfg.page_size, decode_chunk=cfg.decode_chunk,
+                            logprobs_topk=cfg.monitor_topk),
+        attention=self.attention, schedule=self.budget_table)
+    self.tx, self.lr_schedule = make_optimizer(cfg)
+    self.opt_state = self.tx.init(self.params)
+    examples = build_examples(cfg)
+    self.examples = [e for e in examples
+                     if len(encode_prompt(self.tokenizer, e, cfg.chat_template))
+                     <= cfg.max_prompt_len]
+    self.num_dropped_prompts = len(examples) - len(self.examples)
+    if len(self.examples) < cfg.prompts_per_step:
+      raise ValueError(f"only {len(self.examples)} prompts fit max_prompt_len="
+                       f"{cfg.max_prompt_len}; need at least prompts_per_step="
+                       f"{cfg.prompts_per_step}")
+    self.dataset = data_lib.PromptDataset(self.examples, batch_size=cfg.prompts_per_step,
+                                          seed=cfg.seed)
+    self.reward_fn: Callable = rewards_lib.get_reward(cfg.reward)
+    self.step = 0
+    self.bad_steps = 0
+    self.compilations = 0
+    self.lora = self.lora_opt_state = None
+    self._distill = None
+    self._build_jitted()
+
+  # --- jitted functions ------------------------------------------------------------------
+  def _build_jitted(self):
+    cfg = self.cfg
+    graphdef = self.graphdef
+    loss_cfg = grpo.GRPOLossConfig(
+        eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
+        agg=cfg.loss_agg, norm_len=cfg.max_new_tokens if cfg.loss_agg.endswith("norm") else None,
+        kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coeff=cfg.entropy_coeff,
+        tis_cap=cfg.tis_cap, tis_mask_threshold=cfg.tis_mask_threshold)
+    self.loss_cfg = loss_cfg
+    chunk = cfg.logprob_chunk
+    topk = cfg.monitor_topk
+
+    def recompute(params, ref_params, tokens, lengths):
+      self.compilations += 1
+      model = nnx.merge(graphdef, params)
+      stats = token_logprobs(model, tokens, lengths=lengths, chunk=chunk, topk=topk)
+      ref = None
+      if ref_params is not None:
+        ref = token_logprobs(nnx.merge(graphdef, ref_params), tokens, lengths=lengths,
+                             chunk=chunk).logp
+      return stats.logp, stats.topk_ids, stats.topk_logp, ref
+
+    def update(params, opt_state, batch):
+      self.compilations += 1
+
+      def loss_fn(p):
+        model = nnx.merge(graphdef, p)
+        st = token_logprobs(model, batch["tokens"], lengths=batch["lengths"], chunk=chunk,
+                            with_entropy=cfg.entropy_coeff > 0)
+        return grpo.grpo_loss(st.logp, batch["old_logp"], batch["advantages"], batch["mask"],
+                              loss_cfg, ref_logp=batch.get("ref_logp"),
+                              rollout_logp=batch.get("rollout_logp"), entropy=st.entropy)
+
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      params, opt_state, ok, gnorm = _guarded_apply(self.tx, params, opt_state, grads, loss)
+      return params, opt_state, dict(metrics, loss=loss, grad_norm=gnorm, finite=ok)
+
+    self._recompute = jax.jit(recompute)
+    self._update = jax.jit(update, donate_argnums=(0, 1))
+
+  # --- supervised warm start -------------------------------------------------------------
+  def warmstart(self, logger: MetricsLogger | None = None) -> dict[str, float]:
+    """Cross-entropy on prompt -> solution pairs, so a random-init policy earns rewards."""
+    cfg = self.cfg
+    if cfg.warmstart_steps <= 0:
+      return {}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.warmstart_lr))
+    opt = tx.init(self.params)
+    graphdef = self.graphdef
+    seqs = []
+    for e in self.examples:
+      p = encode_prompt(self.tokenizer, e, cfg.chat_template)
+      sol = e.metadata.get("solution", e.answer)
+      r = self._encode_response(sol)
+      seqs.append((p, r))
+    t = _bucket(max(len(p) + len(r) for p, r in seqs))
+
+    def sft(params, opt_state, tokens, lengths, mask):
+      def loss_fn(p):
+        lp = token_logprobs(nnx.merge(graphdef, p), tokens, lengths=lengths,
+                            chunk=cfg.logprob_chunk).logp
+        return -jnp.sum(lp * mask) / jnp.maximum(jnp.sum(mask), 1)
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      params, opt_state, _, _ = _guarded_apply(tx, params, opt_state, grads, loss)
+      return params, opt_state, loss
+
+    sft = jax.jit(sft, donate_argnums=(0, 1))
+    rng = np.random.default_rng(cfg.seed + 1)
+    losses = []
+    for _ in range(cfg.warmstart_steps):
+      idx = rng.integers(0, len(seqs), cfg.warmstart_batch)
+      tokens = np.zeros((len(idx), t), np.int32)
+      mask = np.zeros((len(idx), t), np.float32)
+      lengths = np.zeros((len(idx),), np.int32)
+      for j, i in enumerate(idx):
+        p, r = seqs[i]
+        tokens[j, :len(p)] = p
+        tokens[j, len(p):len(p) + len(r)] = r
+        mask[j, len(p):len(p) + len(r)] = 1
+        lengths[j] = len(p) + len(r)
+      self.params, opt, loss = sft(self.params, opt, jnp.asarray(tokens), jnp.asarray(lengths),
+                                   jnp.asarray(mask))
+      losses.append(float(loss))
+    self.engine.set_state(self.params)
+    out = {"warmstart/loss_first": losses[0], "warmstart/loss_last": losses[-1],
+           "warmstart/steps": len(losses)}
+    if logger is not None:
+      logger.event(f"warm start: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    return out
+
+  def _encode_response(self, text: str) -> list[int]:
+    eos = self.model_cfg.eos_token_ids[0] if self.model_cfg.eos_token_ids else None
+    if isinstance(self.tokenizer, ByteTokenizer):
+      ids = self.tokenizer.encode(text, add_bos=False)
+    else:
+      ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+    return ids + ([eos] if eos is not None else [])
+
+  # --- one RL step -----------------------------------------------------------------------
+  def rollout(self, examples, step: int):
+    cfg = self.cfg
+    reqs = []
+    for i, e in enumerate(examples):
+      ids = encode_prompt(self.tokenizer, e, cfg.chat_template)
+      for g in range(cfg.group_size):
+        seed = (cfg.seed * 1_000_003 + step * 9_176 + i * cfg.group_size + g) & 0x7FFFFFFF
+        reqs.append(Request(ids, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                                max_new_tokens=cfg.max_new_tokens, seed=seed),
+                            (i, g)))
+    lora = self.lora if self.cfg.distill else None
+    return self.engine.generate(reqs, lora=lora)
+
+  def score(self, examples, completions):
+    cfg = self.cfg
+    texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    answers = [examples[c.request_id[0]].answer for c in completions]
+    res = rewards_lib.score_batch(self.reward_fn, texts, answers, timeout_s=cfg.reward_timeout_s)
+    r = np.asarray(res.rewards, np.float32)
+    if cfg.overlong_buffer:
+      r = r + rewards_lib.overlong_penalty([len(c.token_ids) for c in completions],
+                                           max_len=cfg.max_new_tokens,
+                                           buffer_len=cfg.overlong_buffer)
+    return r, res
+
+  def make_batch(self, completions):
+    """Pad prompt+response into `[B, T]` arrays; response tokens carry the mask."""
+    k = self.cfg.monitor_topk
+    lens = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
+    b, t = len(completions), _bucket(max(lens))
+    tokens = np.zeros((b, t), np.int32)
+    mask = np.zeros((b, t), np.float32)
+    rollout_logp = np.zeros((b, t), np.float32)
+    r_ids = np.zeros((b, t, k), np.int32)
+    r_lp = np.full((b, t, k), -1e9, np.float32)
+    prompt_lens = np.zeros((b,), np.int32)
+    for j, c in enumerate(completions):
+      p, n = len(c.prompt_ids), len(c.token_ids)
+      tokens[j, :p] = c.prompt_ids
+      tokens[j, p:p + n] = c.token_ids
+      mask[j, p:p + n] = 1
+      rollout_logp[j, p:p + n] = c.logprobs
+      if c.topk_ids is not None:
+        r_ids[j, p:p + n] = c.topk_ids
+        r_lp[j, p:p + n] = c.topk_logprobs
+      prompt_lens[j] = p
+    return dict(tokens=tokens, lengths=np.asarray(lens, np.int32), mask=mask,
+                rollout_logp=rollout_logp, rollout_topk_ids=r_ids, rollout_topk_logp=r_lp,
+                prompt_lens=prompt_lens)
+
+  def train_step(self) -> dict[str, Any]:
+    cfg = self.cfg
+    step = self.step + 1
+    t0 = time.perf_counter()
+    examples = self.dataset.next_batch()
+    comps = self.rollout(examples, step)
+    t_roll = time.perf_counter() - t0
+    rewards, score_res = self.score(examples, comps)
+    batch = self.make_batch(comps)
+    t1 = time.perf_counter()
+    old_logp, d_ids, d_lp, ref_logp = self._recompute(
+        self.params, self.ref_params, jnp.asarray(batch["tokens"]),
+        jnp.asarray(batch["lengths"]))
+    old_logp = jax.block_until_ready(old_logp)
+    t_recompute = time.perf_counter() - t1
+    g = cfg.group_size
+    adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
+                                           normalize_std=cfg.normalize_adv_std))
+    groups = rewards.reshape(-1, g)
+    zero_var = np.all(groups == groups[:, :1], axis=1)
+    mask = batch["mask"].copy()
+    if cfg.dynamic_sampling:
+      mask *= np.repeat(~zero_var, g)[:, None]
+    # Live mismatch monitor: top-k lower bound of alpha between sparse actor and dense policy.
+    mon = self._monitor(batch, np.asarray(d_ids), np.asarray(d_lp), mask)
+    # GRPO update(s): mini-batches over the batch, `ppo_epochs` passes.
+    t2 = time.perf_counter()
+    full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old_logp),
+                advantages=adv.astype(np.float32), mask=mask)
+    if self.loss_cfg.uses_rollout_correction:
+      full["rollout_logp"] = batch["rollout_logp"]
+    if ref_logp is not None:
+      full["ref_logp"] = np.asarray(ref_logp)
+    mb = cfg.mini_batch_size or cfg.batch_size
+    upd_metrics = []
+    all_finite = True
+    for _ in range(cfg.ppo_epochs):
+      for s in range(0, cfg.batch_size, mb):
+        mbatch = {k: jnp.asarray(v[s:s + mb]) for k, v in full.items()}
+        self.params, self.opt_state, m = self._update(self.params, self.opt_state, mbatch)
+        m = jax.device_get(m)
+        all_finite &= bool(m["finite"])
+        upd_metrics.append(m)
+    t_update = time.perf_counter() - t2
+    self.engine.set_state(self.params)
+    # DistillSparse: LoRA-only update through the sparse teacher-forced forward.
+    dist_metrics = {}
+    if cfg.distill and self._distill is not None:
+      dist_metrics = self._distill(batch, np.asarray(old_logp), mask)
+    self.step = step
+    self.bad_steps = 0 if all_finite else self.bad_steps + 1
+    resp_lens = np.array([len(c.token_ids) for c in comps])
+    gen_tokens = int(resp_lens.sum())
+    mean = lambda key: float(np.mean([float(m[key]) for m in upd_metrics]))
+    out = {
+        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+        "reward/frac_zero_var_groups": float(zero_var.mean()),
+        "reward/verifier_errors": score_res.num_errors,
+        "reward/verifier_timeouts": score_res.num_timeouts,
+        "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),
+        "response/clip_ratio": float(np.mean([c.finish_reason != "stop" for c in comps])),
+        "loss/total": mean("loss"), "loss/policy": mean("pg_loss"),
+        "loss/clip_frac_low": mean("clip_frac_low"), "loss/clip_frac_high": mean("clip_frac_high"),
+        "loss/approx_kl": mean("approx_kl"), "grad_norm": mean("grad_norm"),
+        "lr": float(self.lr_schedule(int(jax.device_get(self._opt_count())))),
+        "time/rollout_s": t_roll, "time/recompute_s": t_recompute, "time/update_s": t_update,
+        "time/step_s": time.perf_counter() - t0, "rollout/tokens": gen_tokens,
+        "rollout/tokens_per_s": gen_tokens / max(t_roll, 1e-9),
+        "compilations": self.compilations + self.engine.num_compilations,
+        "skipped_update": not all_finite, "schedule": self.schedule.name,
+    }
+    for key in ("kl", "entropy", "is_weight_mean", "is_ratio_max", "is_frac_truncated",
+                "is_frac_masked"):
+      if key in upd_metrics[0]:
+        out[f"loss/{key}"] = mean(key)
+    out.update(mon)
+    out.update(dist_metrics)
+    return out
+
+  def _opt_count(self):
+    counts = [x for x in jax.tree.leaves(self.opt_state)
+              if hasattr(x, "dtype") and x.dtype == jnp.int32 and x.ndim == 0]
+    return counts[0] if counts else jnp.zeros((), jnp.int32)
+
+  def _monitor(self, batch, dense_ids, dense_lp, mask) -> dict[str, float]:
+    cfg = self.cfg
+    alpha = np.asarray(mismatch.topk_acceptance_lower_bound(
+        jnp.asarray(dense_ids), jnp.asarray(dense_lp), jnp.asarray(batch["rollout_topk_ids"]),
+        jnp.asarray(batch["rollout_topk_logp"]), jnp.asarray(mask)))
+    positions = np.broadcast_to(np.arange(mask.shape[1]), mask.shape)
+    stats = mismatch.bin_stats(alpha, positions, mask, bin_size=cfg.mismatch_bin_size)
+    valid = alpha[mask > 0]
+    out = {"mismatch/p5_overall": float(np.percentile(valid, 5)) if valid.size else float("nan"),
+           "mismatch/mean": float(valid.mean()) if valid.size else float("nan")}
+    for i, (c, p5) in enumerate(zip(stats.count, stats.p5)):
+      if c > 0:
+        out[f"mismatch/p5_bin_{i}"] = float(p5)
+    return out
+
+  # --- the loop --------------------------------------------------------------------------
+  def fit(self) -> dict[str, Any]:
+    cfg = self.cfg
+    logger = MetricsLogger(cfg.out_dir, total_steps=cfg.num_steps, tensorboard=cfg.tensorboard,
+                           start_step=self.step, quiet=self.quiet)
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+      json.dump(cfg.to_dict(), f, indent=2)
+    if self.step == 0 and cfg.warmstart_steps:
+      self.warmstart(logger)
+    while self.step < cfg.num_steps:
+      metrics = self.train_step()
+      logger.log(self.step, metrics)
+      if metrics["skipped_update"]:
+        logger.event(f"step {self.step}: non-finite loss or gradient, update skipped "
+                     f"({self.bad_steps} in a row)")
+      if self.bad_steps >= cfg.max_bad_steps:
+        logger.close()
+        raise TrainingStopped(
+            f"stopping: {self.bad_steps} consecutive steps with a non-finite loss or gradient "
+            f"(max_bad_steps={cfg.max_bad_steps}); parameters are those of the last finite "
+            "step and earlier checkpoints are untouched")
+    return logger.close()
