@@ -1,0 +1,310 @@
+"""Training checkpoints with orbax: atomic, pruned, resumable onto any mesh.
+
+One checkpoint step holds two orbax items:
+
+  state     the training pytree: policy params, optimizer state, the LoRA tree and its
+            optimizer state when present, RNG keys, data-loader position, step counter ...
+            (any pytree of jax/numpy arrays and Python scalars, including nnx.State and optax
+            states).
+  metadata  a JSON dict: model/trainer config, schedule, anything human-readable.
+
+How it is stored: the state is flattened to a nested dict keyed by its key path
+("params/layers/0/attn/q_DNH"), so what lands on disk does not depend on how orbax handles
+custom pytree nodes; `restore` rebuilds the caller's structure from `abstract_state`. Typed PRNG
+keys (`jax.random.key`) are stored as their key data and re-wrapped with their implementation,
+which is recorded in the metadata item.
+
+Atomicity is orbax's: a step is written to `<dir>/<step>.orbax-checkpoint-tmp*` and renamed to
+`<dir>/<step>` only when complete, so a process killed mid-save leaves the previous steps
+intact and the partial one invisible (`all_steps` lists finalized steps only). Saves are
+asynchronous by default; `wait()` blocks until the last one is on disk.
+
+Paths are made absolute (orbax fails on relative paths, and only later in a background thread).
+Saving over an existing step raises unless `force=True` (then the old step is deleted first).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from sparrow_jax.rl.sharding import path_str
+
+log = logging.getLogger(__name__)
+
+_RESERVED = "_checkpoint"  # key of our bookkeeping inside the metadata JSON
+_FORMAT = 1
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress directory marker
+
+
+def _is_prng_key(x) -> bool:
+  dt = getattr(x, "dtype", None)
+  return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
+
+
+def _segments(path) -> list[str]:
+  segs = path_str(path).split("/") if path else []
+  for s in segs:
+    if not s or "." in s:
+      raise ValueError(f"checkpoint key path {path_str(path)!r}: segment {s!r} is empty or "
+                       "contains '.'; expected plain names")
+  return segs
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+  out: dict = {}
+  for key, leaf in flat.items():
+    node = out
+    segs = key.split("/")
+    for s in segs[:-1]:
+      node = node.setdefault(s, {})
+    node[segs[-1]] = leaf
+  return out
+
+
+def _flatten_paths(tree) -> list[tuple[str, Any]]:
+  """[(path string, leaf)] with duplicate-path detection."""
+  items, seen = [], set()
+  for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    key = "/".join(_segments(p)) or "_root"
+    if key in seen:
+      raise ValueError(f"two checkpoint leaves map to the same path {key!r}")
+    seen.add(key)
+    items.append((key, leaf))
+  return items
+
+
+def _storable(key: str, leaf):
+  """Leaf as orbax stores it; raises on types orbax cannot restore."""
+  if isinstance(leaf, (jax.Array, np.ndarray)):
+    return leaf
+  if isinstance(leaf, np.generic):
+    return np.asarray(leaf)  # orbax restores numpy scalars only as 0-d arrays
+  if isinstance(leaf, (bool, int, float)):
+    return leaf
+  raise ValueError(f"checkpoint leaf {key!r} has type {type(leaf).__name__}; expected a jax or "
+                   "numpy array or a Python int/float/bool (put strings in the JSON metadata)")
+
+
+def _abstract_leaf(key: str, leaf):
+  """What orbax's StandardRestore should produce for `leaf` (its sharding kept)."""
+  if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is None:
+      sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if _is_prng_key(leaf):
+      data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+      return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+  if isinstance(leaf, np.ndarray):
+    return np.empty(leaf.shape, leaf.dtype)
+  if isinstance(leaf, np.generic):
+    return np.empty((), leaf.dtype)
+  if isinstance(leaf, (bool, int, float)):
+    return leaf
+  raise ValueError(f"abstract leaf {key!r} has type {type(leaf).__name__}; expected an array, "
+                   "a jax.ShapeDtypeStruct or a Python scalar")
+
+
+class Checkpointer:
+  """Save/restore training state every `save_every` steps, keeping the last `keep_last`.
+
+  ```python
+  ckpt = Checkpointer("runs/x/ckpt", keep_last=3, save_every=50)
+  ckpt.save(step, {"params": state, "opt": opt_state, "rng": key, "data": pos}, {"cfg": ...})
+  state, meta = ckpt.restore(abstract_state=abstract)   # latest step, onto its shardings
+  ```
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 3,
+               save_every: int = 1, async_save: bool = True):
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+      raise ValueError(f"Checkpointer keep_last={keep_last!r}: expected a positive int or None")
+    if not isinstance(save_every, int) or save_every < 1:
+      raise ValueError(f"Checkpointer save_every={save_every!r}: expected a positive int")
+    self.directory = os.path.abspath(os.fspath(directory))
+    self.keep_last = keep_last
+    self.save_every = save_every
+    self._remove_partial_saves()
+    # Orbax's own cleanup_tmp_directories runs in a background future that can outlive a short
+    # process; the synchronous sweep above does the same job deterministically.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep_last, create=True, enable_async_checkpointing=async_save)
+    self._mgr = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "metadata": ocp.JsonCheckpointHandler()})
+
+  def _remove_partial_saves(self):
+    """Delete `<step>.orbax-checkpoint-tmp*` directories left by a killed save (process 0)."""
+    if jax.process_index() != 0 or not os.path.isdir(self.directory):
+      return
+    for name in os.listdir(self.directory):
+      if _TMP_SUFFIX in name:
+        log.warning("removing unfinished checkpoint %s", os.path.join(self.directory, name))
+        shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+
+  # --- queries --------------------------------------------------------------------------
+  def all_steps(self) -> list[int]:
+    """Finalized steps, ascending (in-progress or crashed saves are not listed)."""
+    return sorted(int(s) for s in self._mgr.all_steps())
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def should_save(self, step: int) -> bool:
+    return step % self.save_every == 0
+
+  # --- save -----------------------------------------------------------------------------
+  def save(self, step: int, state: Any, metadata: Mapping[str, Any] | None = None, *,
+           force: bool = False) -> bool:
+    """Save `state` (pytree) and `metadata` (JSON dict) as `step`.
+
+    Without `force`, steps off the `save_every` interval are skipped (returns False) and an
+    existing step raises ValueError. With `force`, the step is saved regardless and an
+    existing one is replaced. Returns True when a save was started.
+    """
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+      raise ValueError(f"checkpoint step={step!r}: expected a non-negative int")
+    step = int(step)
+    if not force and not self.should_save(step):
+      return False
+    metadata = dict(metadata or {})
+    if _RESERVED in metadata:
+      raise ValueError(f"checkpoint metadata key {_RESERVED!r} is reserved")
+    # Validate everything before orbax starts: a failing save leaves its threads waiting.
+    flat, impls = {}, {}
+    for key, leaf in _flatten_paths(state):
+      if _is_prng_key(leaf):
+        impls[key] = str(jax.random.key_impl(leaf))
+        leaf = jax.random.key_data(leaf)
+      flat[key] = _storable(key, leaf)
+    metadata[_RESERVED] = {"format": _FORMAT, "step": step, "prng_impls": impls}
+    try:
+      json.dumps(metadata, allow_nan=True)
+    except (TypeError, ValueError) as e:
+      raise ValueError(f"checkpoint metadata is not JSON-serialisable: {e}") from None
+    if step in self.all_steps():
+      if not force:
+        raise ValueError(f"checkpoint step {step} already exists in {self.directory}; "
+                         "pass force=True to overwrite it")
+      self.wait()
+      log.info("overwriting checkpoint step %d in %s", step, self.directory)
+      self._mgr.delete(step)
+    self._mgr.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(_nest(flat)), metadata=ocp.args.JsonSave(metadata)),
+        force=True)
+    return True
+
+  def wait(self):
+    """Block until pending asynchronous saves are on disk (and raise their errors)."""
+    self._mgr.wait_until_finished()
+
+  def close(self):
+    self._mgr.close()
+
+  def __enter__(self) -> "Checkpointer":
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  # --- restore --------------------------------------------------------------------------
+  def _resolve_step(self, step: int | None) -> int:
+    self.wait()
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no finalized checkpoint in {self.directory}")
+    if step is None:
+      return steps[-1]
+    if step not in steps:
+      raise ValueError(f"checkpoint step {step} not found in {self.directory}; "
+                       f"available steps: {steps}")
+    return int(step)
+
+  def metadata(self, step: int | None = None) -> dict:
+    """The JSON metadata of `step` (default latest)."""
+    step = self._resolve_step(step)
+    out = self._mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
+    meta = dict(out["metadata"])
+    meta.pop(_RESERVED, None)
+    return meta
+
+  def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    md = self._mgr.item_metadata(step)["state"]
+    tree = getattr(md, "tree", md)
+    return {"/".join(_segments(p)): tuple(getattr(leaf, "shape", ()) or ())
+            for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+  def restore(self, step: int | None = None, abstract_state: Any = None) -> tuple[Any, dict]:
+    """Restore `step` (default latest) -> (state, metadata).
+
+    `abstract_state` gives the structure, shapes, dtypes and shardings to restore onto (a
+    pytree of `jax.ShapeDtypeStruct` with `sharding`, or of concrete arrays whose shardings
+    are reused). Without it, the raw nested dict is returned (arrays on the default device).
+    A structure or shape mismatch raises ValueError naming the differing paths.
+    """
+    step = self._resolve_step(step)
+    if abstract_state is None:
+      out = self._mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore()))
+      meta = dict(out["metadata"])
+      meta.pop(_RESERVED, None)
+      return out["state"], meta
+
+    leaves = _flatten_paths(abstract_state)
+    treedef = jax.tree.structure(abstract_state)
+    saved = self._saved_shapes(step)
+    want = {k: leaf for k, leaf in leaves}
+    missing = sorted(set(want) - set(saved))
+    extra = sorted(set(saved) - set(want))
+    if missing or extra:
+      raise ValueError(
+          f"checkpoint step {step} in {self.directory} does not match the expected structure: "
+          f"missing from checkpoint {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
+          f"not expected {extra[:8]}{' ...' if len(extra) > 8 else ''}")
+    abstract_flat = {k: _abstract_leaf(k, leaf) for k, leaf in leaves}
+    bad = [f"{k}: saved {saved[k]} expected {tuple(np.shape(a))}"
+           for k, a in abstract_flat.items()
+           if hasattr(a, "shape") and tuple(a.shape) != saved[k]]
+    if bad:
+      raise ValueError(f"checkpoint step {step} in {self.directory}: shape mismatch for "
+                       f"{len(bad)} leaves: {bad[:8]}")
+
+    out = self._mgr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_nest(abstract_flat)), metadata=ocp.args.JsonRestore()))
+    meta = dict(out["metadata"])
+    impls = meta.pop(_RESERVED, {}).get("prng_impls", {})
+    restored_flat = dict(_flatten_paths(out["state"]))
+    result = []
+    for key, leaf in leaves:
+      value = restored_flat[key]
+      if _is_prng_key(leaf):
+        if key not in impls:
+          raise ValueError(f"checkpoint leaf {key!r} was saved as raw data, not a PRNG key")
+        value = jax.random.wrap_key_data(value, impl=impls[key])
+      elif isinstance(leaf, np.generic):
+        value = leaf.dtype.type(np.asarray(value))
+      elif isinstance(leaf, bool):
+        value = bool(value)
+      elif isinstance(leaf, int):
+        value = int(value)
+      elif isinstance(leaf, float):
+        value = float(value)
+      result.append(value)
+    return jax.tree.unflatten(treedef, result), meta
+
+
+def state_nbytes(tree) -> int:
+  """Total bytes of the array leaves of a pytree (for logging checkpoint sizes)."""
+  return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree) if hasattr(x, "dtype") and not _is_prng_key(x))

@@ -1,0 +1,355 @@
+"""Dry-run memory planner: per-device bytes of one GRPO training configuration.
+
+`plan_memory` answers "does qwen3_14b fit on 32 H200s with this batch and context?" without
+allocating anything and without needing those devices:
+
+* the parameter tree comes from `nnx.eval_shape` (abstract shapes only). All decoder layers have
+  identical shapes, so one layer is traced and its leaves replicated for every layer index —
+  the result is the same tree as tracing the whole model (a test checks it), in a fraction of
+  a second even for qwen3_32b;
+* the partition rules of `sharding.py` are applied to the mesh *axis sizes* (`param_specs`
+  needs no devices), and per-device bytes are computed arithmetically from the specs: every
+  sharded dimension is divisible by its mesh axes (non-divisible ones fall back to
+  replicated), so a shard holds exactly `dim / prod(axis sizes)` of each sharded dimension —
+  what `NamedSharding` places on each device (checked against real 8-device shards in the
+  sharded test).
+
+Rows of the plan (bytes per device) and their assumptions:
+
+  params        policy parameters in `param_dtype`, sharded by PARAM_RULES.
+  grads         one gradient tree, same dtype and sharding as the parameters.
+  optimizer     AdamW/Adam: 2 moments (mu, nu) in `opt_dtype`; plus a master copy of the
+                parameters in `opt_dtype` when `param_dtype` is narrower (bf16 params with
+                float32 moments => float32 master weights); the step count. SGD: nothing.
+  reference     a frozen copy of the parameters when `reference_model` (KL penalty β > 0).
+  lora          LoRA factors (`lora_dtype`) for `lora_targets` in every layer, their gradient
+                and optimizer moments, sharded by the LoRA rules of PARAM_RULES.
+  kv_cache      the rollout engine's paged cache. Assumes one engine per data x fsdp group
+                (rollout batch split over the groups): each holds ceil(batch_slots / groups)
+                slots, a pool of slots * ceil(context_len / page_size) + 1 pages (page 0 is
+                the null page) of K and V `[L, K, P, S, Dh]`, landmarks `[L, K, P, Dh]`
+                float32 (mean: 1, quest: 2), page table and lengths; kv heads split over
+                tensor when divisible.
+  activations   training micro-batch, ceil(train_micro_batch / groups) sequences per device
+                of train_seq_len tokens. With `remat` (per-layer checkpointing): the saved
+                input of every layer, plus one layer's recomputed working set during its
+                backward: q/k/v/o and their cotangents, the float32 attention probabilities
+                `[b, N, T, T]` (the query-chunked scan keeps them for its backward), the MLP
+                gate/up/hidden and cotangents, float32 norm temporaries. Without remat, every
+                layer's working set. Plus float32 logits and their gradient, `[b, chunk, V]`
+                (chunk = T unless `logits_chunk`). Heads, F and V divided by tensor when
+                divisible.
+  fsdp_buffers  when fsdp > 1: two all-gathered layers (the current and the prefetched one)
+                of weights per tensor shard, or the embedding if larger.
+
+Not counted: XLA temporaries and fragmentation (hence `usable_fraction` = 0.9 of the device;
+note that jax preallocates only 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION is raised), the
+rollout's prefill activations, the dense recompute's (no-grad) activations, host memory.
+The kv cache and training activations are summed although they peak in different phases:
+an engine that keeps its cache allocated between steps holds both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sparrow_jax.models.config import ModelConfig
+from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.rl import sharding as sh
+
+GB = 1e9
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+_MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}
+
+
+def _itemsize(dtype: str) -> int:
+  return np.dtype(jax.numpy.dtype(dtype)).itemsize
+
+
+def abstract_params(cfg: ModelConfig) -> dict:
+  """Pure-dict abstract parameter tree of `Decoder(cfg)` (ShapeDtypeStruct leaves).
+
+  Traces a one-layer model and repeats its layer for every index (all layers are identical).
+  """
+  one = cfg.replace(num_layers=1)
+  model = nnx.eval_shape(lambda: Decoder(one, rngs=nnx.Rngs(0)))
+  tree = nnx.split(model)[1].to_pure_dict()
+  layer = tree["layers"][0]
+  tree["layers"] = {i: layer for i in range(cfg.num_layers)}
+  return tree
+
+
+def abstract_lora(cfg: ModelConfig, rank: int, targets: Sequence[str],
+                  dtype: str = "float32") -> dict:
+  """Abstract LoRA tree in the decoder's layout: layers/<i>/<proj>/{a, b, scale}.
+
+  a maps the projection input to rank r, b maps r to the projection output.
+  """
+  d, n, k, h, f = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size)
+  shapes = {"q": ((d, rank), (rank, n, h)), "k": ((d, rank), (rank, k, h)),
+            "v": ((d, rank), (rank, k, h)), "o": ((n, h, rank), (rank, d)),
+            "gate": ((d, rank), (rank, f)), "up": ((d, rank), (rank, f)),
+            "down": ((f, rank), (rank, d))}
+  dt = jax.numpy.dtype(dtype)
+  layer = {t: {"a": jax.ShapeDtypeStruct(shapes[t][0], dt),
+               "b": jax.ShapeDtypeStruct(shapes[t][1], dt),
+               "scale": jax.ShapeDtypeStruct((), jax.numpy.float32)} for t in targets}
+  return {"layers": {i: layer for i in range(cfg.num_layers)}}
+
+
+def shard_elements(shape: Sequence[int], spec, axis_sizes) -> int:
+  """Elements of one device's shard of an array of `shape` under PartitionSpec `spec`."""
+  n = 1
+  for d, size in enumerate(shape):
+    entry = spec[d] if d < len(spec) else None
+    axes = sh.entry_axes(entry)
+    div = math.prod(axis_sizes[a] for a in axes)
+    n *= -(-size // div)
+  return n
+
+
+def per_device_bytes(tree, axis_sizes, dtype: str | None = None) -> tuple[int, int, list]:
+  """(bytes per device, global bytes, fallbacks) of a tree under PARAM_RULES.
+
+  `dtype` overrides the leaves' dtype (e.g. optimizer moments in float32).
+  """
+  specs, fallbacks = sh.param_specs(tree, axis_sizes)
+  leaves = jax.tree.leaves(tree)
+  spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  dev = tot = 0
+  for leaf, spec in zip(leaves, spec_leaves):
+    item = _itemsize(dtype) if dtype else np.dtype(leaf.dtype).itemsize
+    dev += shard_elements(leaf.shape, spec, axis_sizes) * item
+    tot += math.prod(leaf.shape) * item
+  return dev, tot, fallbacks
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryItem:
+  name: str
+  per_device: int  # bytes
+  note: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+  """Per-device memory of one configuration; `fits` compares against the usable memory."""
+
+  model: str
+  mesh: sh.MeshConfig
+  num_devices: int
+  device_bytes: float
+  usable_fraction: float
+  param_count: int
+  param_bytes_total: int  # all parameters once, in param_dtype
+  items: tuple[MemoryItem, ...]
+  fallbacks: tuple[str, ...] = ()
+
+  def item(self, name: str) -> MemoryItem:
+    for it in self.items:
+      if it.name == name:
+        return it
+    raise KeyError(f"no memory item {name!r}; items: {[i.name for i in self.items]}")
+
+  def __getitem__(self, name: str) -> int:
+    return self.item(name).per_device
+
+  @property
+  def total(self) -> int:
+    return sum(i.per_device for i in self.items)
+
+  @property
+  def usable_bytes(self) -> float:
+    return self.device_bytes * self.usable_fraction
+
+  @property
+  def headroom(self) -> float:
+    return self.usable_bytes - self.total
+
+  @property
+  def fits(self) -> bool:
+    return self.total <= self.usable_bytes
+
+  def message(self) -> str:
+    """One sentence: fits, or what does not fit and by how much."""
+    where = f"{self.model} on {self.num_devices} device(s) ({self.mesh.describe()})"
+    if self.fits:
+      return (f"{where} fits: {self.total / GB:.2f} GB per device of "
+              f"{self.usable_bytes / GB:.2f} GB usable ({self.headroom / GB:.2f} GB headroom)")
+    top = sorted(self.items, key=lambda i: -i.per_device)[:3]
+    parts = ", ".join(f"{i.name} {i.per_device / GB:.2f} GB" for i in top)
+    return (f"{where} does not fit: needs {self.total / GB:.2f} GB per device but only "
+            f"{self.usable_bytes / GB:.2f} GB is usable ({self.usable_fraction:.0%} of "
+            f"{self.device_bytes / GB:.2f} GB), short by {-self.headroom / GB:.2f} GB; "
+            f"largest: {parts}. Use more devices (fsdp/tensor), a smaller batch_slots, "
+            f"context or micro-batch, or bfloat16 parameters/cache")
+
+  def format_table(self) -> str:
+    w = max(len(i.name) for i in self.items) + 2
+    lines = [f"memory plan: {self.model} ({self.param_count / 1e9:.3f} B params) on "
+             f"{self.num_devices} device(s), mesh {self.mesh.describe()}; GB = 1e9 bytes, "
+             "per device",
+             f"  {'item'.ljust(w)}{'GB':>10}  note"]
+    for i in self.items:
+      lines.append(f"  {i.name.ljust(w)}{i.per_device / GB:>10.3f}  {i.note}")
+    lines.append(f"  {'total'.ljust(w)}{self.total / GB:>10.3f}")
+    lines.append(f"  {'usable'.ljust(w)}{self.usable_bytes / GB:>10.3f}  "
+                 f"{self.usable_fraction:.0%} of {self.device_bytes / GB:.2f} GB")
+    lines.append(f"  {'headroom'.ljust(w)}{self.headroom / GB:>10.3f}  "
+                 f"{'fits' if self.fits else 'DOES NOT FIT'}")
+    for fb in self.fallbacks:
+      lines.append(f"  fallback: {fb}")
+    lines.append(self.message())
+    return "\n".join(lines)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"model": self.model, "mesh": self.mesh.describe(), "num_devices": self.num_devices,
+            "device_bytes": self.device_bytes, "usable_bytes": self.usable_bytes,
+            "param_count": self.param_count, "param_bytes_total": self.param_bytes_total,
+            "items": {i.name: i.per_device for i in self.items}, "total": self.total,
+            "headroom": self.headroom, "fits": self.fits}
+
+
+def _div_or_keep(n: int, t: int) -> int:
+  """Size of a dimension split over `t` devices, or whole when not divisible."""
+  return n // t if n % t == 0 else n
+
+
+def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = None, *,
+                batch_slots: int, context_len: int, page_size: int = 16,
+                train_micro_batch: int, train_seq_len: int, lora_rank: int = 0,
+                lora_targets: Sequence[str] = (), lora_dtype: str = "float32",
+                optimizer: str = "adamw", param_dtype: str | None = None,
+                opt_dtype: str = "float32", compute_dtype: str | None = None,
+                cache_dtype: str | None = None, landmark: str = "mean",
+                master_weights: bool | None = None, reference_model: bool = False,
+                remat: bool = True, logits_chunk: int | None = None,
+                device_bytes: float = 141e9, usable_fraction: float = 0.9,
+                num_devices: int | None = None) -> MemoryPlan:
+  """Per-device memory plan (see the module docstring for what each row counts).
+
+  `mesh_cfg` may hold a -1 axis when `num_devices` is given; `param_dtype`, `compute_dtype`
+  default to the model config's, `cache_dtype` to the compute dtype; `master_weights`
+  defaults to "param_dtype narrower than opt_dtype".
+  """
+  if not isinstance(mesh_cfg, sh.MeshConfig):
+    mesh_cfg = sh.parse_mesh(mesh_cfg)
+  if num_devices is None:
+    if not mesh_cfg.is_resolved:
+      raise ValueError(f"plan_memory: mesh {mesh_cfg.describe()} has a -1 axis; pass "
+                       "num_devices")
+    num_devices = math.prod(mesh_cfg.shape)
+  mesh_cfg = mesh_cfg.resolve(num_devices)
+  sizes = mesh_cfg.axis_sizes()
+  for name, v in (("batch_slots", batch_slots), ("context_len", context_len),
+                  ("page_size", page_size), ("train_micro_batch", train_micro_batch),
+                  ("train_seq_len", train_seq_len)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"plan_memory {name}={v!r}: expected a positive int")
+  if optimizer not in _MOMENTS:
+    raise ValueError(f"plan_memory optimizer={optimizer!r}: expected one of {sorted(_MOMENTS)}")
+  if landmark not in ("none", "mean", "quest"):
+    raise ValueError(f"plan_memory landmark={landmark!r}: expected 'none', 'mean' or 'quest'")
+  bad = [t for t in lora_targets if t not in LORA_TARGETS]
+  if bad:
+    raise ValueError(f"plan_memory lora_targets={tuple(lora_targets)}: unknown {bad}; "
+                     f"expected a subset of {LORA_TARGETS}")
+  if lora_rank < 0 or (lora_rank > 0 and not lora_targets):
+    raise ValueError(f"plan_memory lora_rank={lora_rank} with lora_targets="
+                     f"{tuple(lora_targets)}: expected rank >= 0 and targets when rank > 0")
+  if not 0 < usable_fraction <= 1:
+    raise ValueError(f"plan_memory usable_fraction={usable_fraction}: expected in (0, 1]")
+
+  param_dtype = param_dtype or model_cfg.param_dtype
+  compute_dtype = compute_dtype or model_cfg.dtype
+  cache_dtype = cache_dtype or compute_dtype
+  cfg = model_cfg.replace(param_dtype=param_dtype, dtype=compute_dtype)
+  pb, ob, ab, cb = (_itemsize(param_dtype), _itemsize(opt_dtype), _itemsize(compute_dtype),
+                    _itemsize(cache_dtype))
+  if master_weights is None:
+    master_weights = optimizer != "sgd" and pb < ob
+  t = sizes["tensor"]
+  groups = sh.batch_divisor(sizes)
+  items: list[MemoryItem] = []
+
+  # --- parameters, gradients, optimizer --------------------------------------------------
+  params = abstract_params(cfg)
+  p_dev, p_tot, fallbacks = per_device_bytes(params, sizes)
+  o_dev_elems = p_dev // pb
+  n_params = p_tot // pb
+  items.append(MemoryItem("params", p_dev, f"{n_params / 1e9:.3f} B x {param_dtype}"))
+  items.append(MemoryItem("grads", p_dev, f"{param_dtype}, sharded like params"))
+  n_mom = _MOMENTS[optimizer]
+  opt = (n_mom + int(master_weights)) * o_dev_elems * ob + (4 if n_mom else 0)
+  opt_note = (f"{optimizer}: {n_mom} moments {opt_dtype}"
+              + (f" + {opt_dtype} master copy" if master_weights else ""))
+  items.append(MemoryItem("optimizer", opt, opt_note))
+  if reference_model:
+    items.append(MemoryItem("reference", p_dev, "frozen reference policy (KL)"))
+
+  # --- LoRA --------------------------------------------------------------------------------
+  if lora_rank > 0:
+    lora = abstract_lora(cfg, lora_rank, lora_targets, lora_dtype)
+    l_dev, l_tot, lfb = per_device_bytes(lora, sizes)
+    fallbacks += lfb
+    lb = _itemsize(lora_dtype)
+    l_master = n_mom > 0 and lb < ob
+    l_opt = (n_mom + int(l_master)) * (l_dev // lb) * ob
+    items.append(MemoryItem(
+        "lora", 2 * l_dev + l_opt,
+        f"r={lora_rank} on {','.join(lora_targets)}: {l_tot // lb / 1e6:.1f} M x {lora_dtype}"
+        f" + grads + {n_mom} moments"))
+
+  # --- KV cache ------------------------------------------------------------------------------
+  slots = -(-batch_slots // groups)
+  max_pages = -(-context_len // page_size)
+  pages = slots * max_pages + 1
+  kh = _div_or_keep(cfg.num_kv_heads, t)
+  n_lm = {"none": 0, "mean": 1, "quest": 2}[landmark]
+  kv = (2 * cfg.num_layers * kh * pages * page_size * cfg.head_dim * cb
+        + n_lm * cfg.num_layers * kh * pages * cfg.head_dim * 4
+        + slots * max_pages * 4 + slots * 4)
+  items.append(MemoryItem(
+      "kv_cache", kv,
+      f"{batch_slots} slots x {context_len} tok / {groups} groups = {slots} slots, {pages} "
+      f"pages x {page_size}, {kh} kv heads, {cache_dtype}, landmarks={landmark}"))
+
+  # --- activations ---------------------------------------------------------------------------
+  b = -(-train_micro_batch // groups)
+  seq = train_seq_len
+  n_h, f_d, v_d = (_div_or_keep(cfg.num_heads, t), _div_or_keep(cfg.intermediate_size, t),
+                   _div_or_keep(cfg.vocab_size, t))
+  d = cfg.hidden_size
+  qkvo = 2 * b * seq * (2 * n_h + 2 * kh) * cfg.head_dim * ab
+  probs = b * n_h * seq * seq * 4
+  mlp = 2 * 3 * b * seq * f_d * ab
+  norms = 4 * b * seq * d * 4
+  layer_ws = qkvo + probs + mlp + norms
+  saved = cfg.num_layers * b * seq * d * ab
+  chunk = min(logits_chunk or seq, seq)
+  logits = 2 * b * chunk * v_d * 4
+  act = (saved + layer_ws if remat else cfg.num_layers * layer_ws) + logits
+  items.append(MemoryItem(
+      "activations", act,
+      f"{b} seq x {seq} tok per device, remat={remat}: layer inputs {saved / GB:.2f}, attn "
+      f"probs {probs / GB:.2f}, logits {logits / GB:.2f} GB"))
+
+  # --- FSDP all-gather buffers ---------------------------------------------------------------
+  if sizes["fsdp"] > 1:
+    layer_dev, _, _ = per_device_bytes(
+        params["layers"][0], {"data": 1, "fsdp": 1, "tensor": t})
+    embed = _div_or_keep(cfg.vocab_size, t) * d * pb
+    items.append(MemoryItem("fsdp_buffers", 2 * max(layer_dev, embed),
+                            "2 gathered layers (or the embedding) per tensor shard"))
+
+  return MemoryPlan(
+      model=model_cfg.name, mesh=mesh_cfg, num_devices=num_devices, device_bytes=device_bytes,
+      usable_fraction=usable_fraction, param_count=n_params, param_bytes_total=p_tot,
+      items=tuple(items), fallbacks=tuple(sh.summarize_fallbacks(fallbacks)))

@@ -1,0 +1,197 @@
+"""Tests for sparrow_jax.rl.memory: exact parameter bytes, optimizer/LoRA/KV arithmetic against
+independent counts, and the fit / no-fit verdicts for the large presets."""
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparrow_jax.models.config import get_config
+from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.models.kv_cache import PagedKVCache
+from sparrow_jax.rl import memory as M
+from sparrow_jax.rl import sharding as sh
+
+SMALL = dict(batch_slots=8, context_len=256, train_micro_batch=4, train_seq_len=128)
+
+
+def _norm_params(cfg):
+  """Replicated leaves under PARAM_RULES: the RMSNorm scales."""
+  per_layer = 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+  return cfg.num_layers * per_layer + cfg.hidden_size
+
+
+@pytest.mark.parametrize("name,overrides", [
+    ("tiny", {}), ("qwen3_8b", {"num_layers": 3}),
+    ("tiny", {"attention_bias": True, "qk_norm": False, "tie_word_embeddings": False})])
+def test_abstract_params_equals_full_eval_shape(name, overrides):
+  cfg = get_config(name, **overrides)
+  full = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))[1].to_pure_dict()
+  fast = M.abstract_params(cfg)
+  assert jax.tree.structure(full) == jax.tree.structure(fast)
+  for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(fast)):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype)
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny", "float32"), ("smollm2_135m", "bfloat16"),
+                                        ("qwen3_1p7b", "bfloat16"), ("qwen3_8b", "float32")])
+def test_param_bytes_are_exact(name, dtype):
+  cfg = get_config(name)
+  item = np.dtype(jnp.dtype(dtype)).itemsize
+  plan = M.plan_memory(cfg, "1x1x1", param_dtype=dtype, **SMALL)
+  assert plan.param_count == cfg.num_params()
+  assert plan.param_bytes_total == cfg.num_params() * item
+  assert plan["params"] == plan.param_bytes_total  # one device holds everything
+  assert plan["grads"] == plan["params"]
+
+
+def test_param_bytes_per_device_on_32_devices():
+  cfg = get_config("qwen3_14b")
+  plan = M.plan_memory(cfg, "fsdp=-1", num_devices=32, param_dtype="bfloat16", **SMALL)
+  norms = _norm_params(cfg)
+  matrices = cfg.num_params() - norms
+  assert matrices % 32 == 0  # every matrix's D divides 32: all split exactly
+  assert plan["params"] == (matrices // 32 + norms) * 2
+  assert plan["params"] * 32 >= plan.param_bytes_total == cfg.num_params() * 2
+  # Tensor parallelism on top: heads/F/V also split; still exact.
+  plan2 = M.plan_memory(cfg, "1x8x4", param_dtype="bfloat16", **SMALL)
+  assert plan2["params"] == (matrices // 32 + norms) * 2
+  assert plan2.fallbacks == ()
+
+
+def test_optimizer_bytes():
+  cfg = get_config("qwen3_1p7b")
+  n = cfg.num_params()
+  bf16 = M.plan_memory(cfg, "1x1x1", param_dtype="bfloat16", **SMALL)
+  assert bf16["optimizer"] == 3 * n * 4 + 4  # mu, nu, float32 master copy, step count
+  f32 = M.plan_memory(cfg, "1x1x1", param_dtype="float32", **SMALL)
+  assert f32["optimizer"] == 2 * n * 4 + 4
+  sgd = M.plan_memory(cfg, "1x1x1", param_dtype="float32", optimizer="sgd", **SMALL)
+  assert sgd["optimizer"] == 0
+  ref = M.plan_memory(cfg, "1x1x1", param_dtype="bfloat16", reference_model=True, **SMALL)
+  assert ref["reference"] == n * 2
+
+
+def test_lora_bytes():
+  cfg = get_config("qwen3_0p6b")
+  r, d, nh, k, h, f = 16, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, \
+      cfg.intermediate_size
+  per_layer = (d * r + r * nh * h) + (d * r + r * k * h) + (nh * h * r + r * d) \
+      + 2 * (d * r + r * f) + (f * r + r * d) + 6  # q, v, o, gate, up, down + 6 scales
+  n = cfg.num_layers * per_layer
+  plan = M.plan_memory(cfg, "1x1x1", lora_rank=r,
+                       lora_targets=("q", "v", "o", "gate", "up", "down"), **SMALL)
+  assert plan["lora"] == 4 * n * 4  # float32 factors + grads + 2 float32 moments
+  sharded = M.plan_memory(cfg, "1x4x2", lora_rank=r,
+                          lora_targets=("q", "v", "o", "gate", "up", "down"), **SMALL)
+  # fsdp=4 splits the D side of each factor, tensor=2 its heads/F side (the rank never).
+  per_layer_dev = (d * r // 4 + r * nh * h // 2) + (d * r // 4 + r * k * h // 2) \
+      + (nh * h * r // 2 + r * d // 4) + 2 * (d * r // 4 + r * f // 2) \
+      + (f * r // 2 + r * d // 4) + 6
+  assert sharded["lora"] == 4 * cfg.num_layers * per_layer_dev * 4
+
+
+def test_kv_cache_bytes_match_the_engine_cache():
+  cfg = get_config("tiny")
+  for mesh, slots, landmark in (("1x1x1", 8, "mean"), ("2x1x1", 4, "quest"), ("1x2x1", 4, "none")):
+    plan = M.plan_memory(cfg, mesh, batch_slots=8, context_len=100, page_size=16,
+                         train_micro_batch=2, train_seq_len=64, landmark=landmark,
+                         cache_dtype="bfloat16")
+    m = math.ceil(100 / 16)
+    cache = jax.eval_shape(lambda: PagedKVCache.create(
+        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+        num_slots=slots, num_pages=slots * m + 1, max_pages_per_seq=m, page_size=16,
+        dtype=jnp.bfloat16, landmark=landmark))
+    assert plan["kv_cache"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
+  # kv heads split over tensor: 2 kv heads / tensor=2 halves K/V and landmarks.
+  t1 = M.plan_memory(cfg, "1x1x1", landmark="none", **SMALL)["kv_cache"]
+  t2 = M.plan_memory(cfg, "1x1x2", landmark="none", **SMALL)["kv_cache"]
+  table = 8 * math.ceil(256 / 16) * 4 + 8 * 4
+  assert t2 - table == (t1 - table) // 2
+
+
+def test_activation_estimate_definition():
+  cfg = get_config("tiny")  # D=64, N=4, K=2, H=32, F=128, V=512, L=2; float32
+  b, t = 2, 128
+  plan = M.plan_memory(cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=b,
+                       train_seq_len=t)
+  qkvo = 2 * b * t * (2 * 4 + 2 * 2) * 32 * 4
+  probs = b * 4 * t * t * 4
+  mlp = 2 * 3 * b * t * 128 * 4
+  norms = 4 * b * t * 64 * 4
+  saved = 2 * b * t * 64 * 4
+  logits = 2 * b * t * 512 * 4
+  assert plan["activations"] == saved + qkvo + probs + mlp + norms + logits
+  no_remat = M.plan_memory(cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=b,
+                           train_seq_len=t, remat=False)
+  assert no_remat["activations"] == 2 * (qkvo + probs + mlp + norms) + logits
+  chunked = M.plan_memory(cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=b,
+                          train_seq_len=t, logits_chunk=32)
+  assert plan["activations"] - chunked["activations"] == logits - 2 * b * 32 * 512 * 4
+  # The micro-batch is split over data x fsdp.
+  split = M.plan_memory(cfg, "2x2x1", batch_slots=1, context_len=16, train_micro_batch=4,
+                        train_seq_len=t)
+  assert split["activations"] == M.plan_memory(
+      cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=1,
+      train_seq_len=t)["activations"]
+
+
+def test_qwen3_14b_on_32_devices_fits_quickly():
+  t0 = time.perf_counter()
+  plan = M.plan_memory(get_config("qwen3_14b"), "fsdp=-1", num_devices=32, batch_slots=256,
+                       context_len=8192, train_micro_batch=32, train_seq_len=8192,
+                       param_dtype="bfloat16", compute_dtype="bfloat16", lora_rank=64,
+                       lora_targets=M.LORA_TARGETS)
+  elapsed = time.perf_counter() - t0
+  assert elapsed < 10.0, elapsed
+  assert plan.fits and plan.headroom > 0
+  assert plan.mesh.shape == (1, 32, 1) and plan.num_devices == 32
+  table = plan.format_table()
+  for row in ("params", "grads", "optimizer", "lora", "kv_cache", "activations",
+              "fsdp_buffers", "total", "headroom", "fits"):
+    assert row in table
+  assert plan.to_dict()["fits"] is True
+  assert plan.total == sum(plan.to_dict()["items"].values())
+
+
+def test_qwen3_32b_on_one_device_does_not_fit():
+  plan = M.plan_memory(get_config("qwen3_32b"), "1x1x1", batch_slots=64, context_len=8192,
+                       train_micro_batch=8, train_seq_len=8192, param_dtype="bfloat16")
+  assert not plan.fits and plan.headroom < 0
+  msg = plan.message()
+  assert "qwen3_32b on 1 device(s)" in msg and "does not fit" in msg
+  assert "optimizer" in msg  # the largest item is named
+  assert "DOES NOT FIT" in plan.format_table()
+  assert plan["params"] == get_config("qwen3_32b").num_params() * 2
+
+
+def test_fallbacks_are_reported():
+  plan = M.plan_memory(get_config("smollm2_135m"), "1x2x2", **SMALL)
+  assert any("q_DNH dim 1 (size 9) not divisible by tensor=2" in f for f in plan.fallbacks)
+  assert "fallback:" in plan.format_table()
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(optimizer="lion"), "optimizer='lion'"),
+    (dict(lora_rank=8), "expected rank >= 0 and targets"),
+    (dict(lora_rank=8, lora_targets=("qkv",)), "unknown \\['qkv'\\]"),
+    (dict(batch_slots=0), "batch_slots=0"),
+    (dict(landmark="max"), "landmark='max'"),
+    (dict(usable_fraction=1.5), "usable_fraction"),
+])
+def test_plan_validation(kw, needle):
+  args = {**SMALL, **kw}
+  with pytest.raises(ValueError, match=needle):
+    M.plan_memory(get_config("tiny"), "1x1x1", **args)
+
+
+def test_plan_mesh_errors():
+  with pytest.raises(ValueError, match="pass num_devices"):
+    M.plan_memory(get_config("tiny"), "fsdp=-1", **SMALL)
+  with pytest.raises(ValueError, match="product of the axis sizes is 8 but there are 4"):
+    M.plan_memory(get_config("tiny"), "2x4x1", num_devices=4, **SMALL)
+  assert sh.parse_mesh("2x4x1").resolve(8).shape == (2, 4, 1)
