@@ -1,6 +1,9 @@
 """Pure-jnp reference implementations of paged decode attention (float32 accumulation).
 
-These are both the CPU execution path and the references the Pallas kernels are tested against.
+These are both the CPU execution path and the references the Pallas kernels are tested against:
+`dense_decode_reference` attends to every cached token, `sparse_decode_reference` only to the
+pages chosen by `selection.select_pages` (the contract of the Pallas kernel in
+`sparse_decode.py`).
 
 Axis legend: B batch (sequence slots), H query heads, K kv heads, G = H // K query heads per
 kv head (GQA group; query head h uses kv head h // G), P physical pages in the pool,
@@ -85,14 +88,16 @@ def sparse_decode_reference(q, k_pages, v_pages, page_table, lengths, page_idx, 
   g = h // kvh
   if sm_scale is None:
     sm_scale = d ** -0.5
+  n = page_idx.shape[-1]
   k = gather_selected_pages(k_pages, page_table, page_idx).astype(jnp.float32)  # [B,K,N,S,D]
-  v = gather_selected_pages(v_pages, page_table, page_idx).astype(jnp.float32)  # [B,K,N,S,D]
+  v = gather_selected_pages(v_pages, page_table, page_idx).astype(jnp.float32)
+  k = k.reshape(b, kvh, n * s, d)  # [B, K, N*S, D]; flat token axis: a faster einsum on CPU
+  v = v.reshape(b, kvh, n * s, d)
   qg = q.reshape(b, kvh, g, d).astype(jnp.float32)  # [B, K, G, D]
-  logits = jnp.einsum("bkgd,bknsd->bkgns", qg, k) * sm_scale  # [B, K, G, N, S]
+  logits = jnp.einsum("bkgd,bktd->bkgt", qg, k) * sm_scale  # [B, K, G, N*S]
   pos = page_idx[..., None] * s + jnp.arange(s)  # [B, K, N, S]
   ok = valid[..., None] & (pos < lengths[:, None, None, None])  # [B, K, N, S]
-  logits = jnp.where(ok[:, :, None], logits, MASK_VALUE)
-  n = page_idx.shape[-1]
-  probs = jax.nn.softmax(logits.reshape(b, kvh, g, n * s), axis=-1)  # [B, K, G, N*S]
-  out = jnp.einsum("bkgt,bktd->bkgd", probs, v.reshape(b, kvh, n * s, d))  # [B, K, G, D]
+  logits = jnp.where(ok.reshape(b, kvh, 1, n * s), logits, MASK_VALUE)
+  probs = jax.nn.softmax(logits, axis=-1)  # [B, K, G, N*S]
+  out = jnp.einsum("bkgt,bktd->bkgd", probs, v)  # [B, K, G, D]
   return out.reshape(b, h, d).astype(q.dtype)

@@ -1,0 +1,95 @@
+"""The one place that decides how sparse decode attention runs: Pallas kernel or XLA.
+
+`Backend` names the implementations; `resolve_backend` turns `AUTO` into a concrete one once
+(Pallas on a GPU, XLA elsewhere) and refuses a backend that cannot run here: there is no
+silent fallback. `sparse_decode_attention` is the entry point the decoder calls.
+
+  XLA               `reference.sparse_decode_reference` (pure jnp, float32 softmax); the CPU
+                    path and the reference.
+  PALLAS            `sparse_decode.sparse_decode`, Triton lowering, needs a GPU.
+  PALLAS_INTERPRET  the same kernel in the Pallas interpreter (any platform; slow, for tests).
+
+A Mosaic GPU kernel can be added later as another member without touching the callers.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+
+from sparrow_jax.pallas_kernels.reference import sparse_decode_reference
+from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig, sparse_decode
+
+
+class Backend(enum.Enum):
+  """Implementation of sparse decode attention."""
+  AUTO = "auto"
+  XLA = "xla"
+  PALLAS = "pallas"
+  PALLAS_INTERPRET = "pallas_interpret"
+
+
+def _has_gpu() -> bool:
+  try:
+    return bool(jax.devices("gpu"))
+  except RuntimeError:
+    return False
+
+
+def resolve_backend(backend=Backend.AUTO) -> Backend:
+  """Concrete backend for `backend` (a Backend or its string value) on this machine.
+
+  AUTO -> PALLAS when a GPU is present, XLA otherwise. PALLAS without a GPU raises
+  ValueError.
+  """
+  if not isinstance(backend, Backend):
+    try:
+      backend = Backend(backend)
+    except ValueError:
+      raise ValueError(f"backend={backend!r}: expected a Backend or one of "
+                       f"{[b.value for b in Backend]}") from None
+  match backend:
+    case Backend.AUTO:
+      return Backend.PALLAS if _has_gpu() else Backend.XLA
+    case Backend.PALLAS:
+      if not _has_gpu():
+        raise ValueError(
+            f"backend={backend.value!r}: the Pallas Triton kernel needs a GPU, but jax sees "
+            f"only {sorted({d.platform for d in jax.devices()})}; use 'xla' or "
+            "'pallas_interpret'")
+      return backend
+    case _:
+      return backend
+
+
+def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *,
+                            backend=Backend.AUTO, sm_scale=None,
+                            config: SparseDecodeConfig | None = None):
+  """Decode attention of one token per sequence over its selected pages.
+
+  Args:
+    q: [B, H, D] queries of the current token (already written into the cache).
+    k_pages, v_pages: [K, P, S, D] paged key/value pool of one layer.
+    page_table: [B, M] int32 logical -> physical page ids.
+    lengths: [B] int32 tokens in the cache including the current one.
+    page_idx: [B, K, N] int32 selected logical page ids; valid: [B, K, N] bool (from
+      `selection.select_pages`).
+    backend: Backend or its string value (static); resolved by `resolve_backend`.
+    sm_scale: softmax scale, default 1/sqrt(D).
+    config: SparseDecodeConfig for the Pallas backends (ignored by XLA).
+  Returns:
+    [B, H, D] in q.dtype.
+  """
+  match resolve_backend(backend):
+    case Backend.XLA:
+      return sparse_decode_reference(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
+                                     sm_scale=sm_scale)
+    case Backend.PALLAS:
+      return sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
+                           sm_scale=sm_scale, config=config, interpret=False)
+    case Backend.PALLAS_INTERPRET:
+      return sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
+                           sm_scale=sm_scale, config=config, interpret=True)
+    case other:
+      raise AssertionError(f"unresolved backend {other}")

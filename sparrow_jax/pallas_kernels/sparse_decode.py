@@ -1,0 +1,281 @@
+"""Pallas (Triton lowering) kernel: block-sparse paged decode attention over selected pages.
+
+Flash-decoding over the pages chosen by `selection.select_pages`: one program per
+(sequence b, kv head k, split s). The N selection slots are cut into blocks of
+`pages_per_block` pages (a compute block of pages_per_block * S key rows); split s processes
+blocks s, s + k_splits, s + 2 k_splits, ... (block-cyclic, so a short valid prefix still spreads
+over all splits) and stops after the last block holding a valid slot. Inside a block the pages
+are gathered straight from the paged pool: selected logical id -> page table -> physical page,
+all loaded inside the kernel. The GQA group (G query heads of kv head k) is padded to 16 rows for
+`plgpu.dot`. Each split keeps a float32 running max / sum / unnormalised output; the splits are
+merged in XLA. Masked logits are `MASK_VALUE` (finite) and masked probabilities exactly 0, so a
+split that sees no valid token merges without NaN.
+
+The pure-jnp reference with the same contract is `reference.sparse_decode_reference`;
+`dispatch.sparse_decode_attention` chooses between them. `interpret=True` runs the kernel on CPU.
+
+Triton rules kept by construction (interpret mode would not catch them): every array loaded,
+stored or computed has power-of-two dims (head_dim and page size are checked, the GQA group is
+padded, pages_per_block is a power of two); no sort inside the kernel.
+
+Axis legend: B batch, H query heads, K kv heads, G = H // K, Gp padded group, P physical pages,
+M logical pages per sequence, S page size, D head dim, N selection slots (padded to a multiple
+of k_splits * pages_per_block), R = k_splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from sparrow_jax.pallas_kernels.reference import MASK_VALUE
+
+_MIN_DOT = 16  # Triton dot needs M, N, K >= 16
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseDecodeConfig:
+  """Static launch parameters of the sparse decode kernel.
+
+  k_splits: number of splits of the selected slots (flash-decoding split-K).
+  pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
+    (power of two, >= 16).
+  num_warps, num_stages: Triton launch parameters.
+  """
+  k_splits: int = 8
+  pages_per_block: int = 4
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    for name in ("k_splits", "pages_per_block", "num_warps", "num_stages"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"SparseDecodeConfig.{name}={value!r}: expected a positive int")
+    for name in ("pages_per_block", "num_warps"):
+      value = getattr(self, name)
+      if not _is_pow2(value):
+        raise ValueError(f"SparseDecodeConfig.{name}={value}: expected a power of two")
+
+  def slot_multiple(self) -> int:
+    """Number of slots the selection is padded to a multiple of."""
+    return self.k_splits * self.pages_per_block
+
+
+def _sparse_decode_kernel(
+    q_ref,           # [Gp, D] queries of the group (rows >= G are zero padding)
+    k_ref,           # [P, S, D] key pool of this kv head
+    v_ref,           # [P, S, D] value pool of this kv head
+    page_table_ref,  # [M] int32 logical -> physical ids of this sequence
+    length_ref,      # [] int32 tokens in the cache of this sequence
+    page_idx_ref,    # [N] int32 selected logical ids of (sequence, kv head)
+    valid_ref,       # [N] int32 1 = slot attended
+    active_ref,      # [] int32 blocks up to and including the last valid slot
+    *refs,           # (aliased poison inputs,) then outputs o [Gp, D], l [Gp], m [Gp]
+    sm_scale: float,
+    pages_per_block: int,
+    k_splits: int,
+):
+  o_ref, l_ref, m_ref = refs[-3:]
+  split = pl.program_id(2)
+  rows, head_dim = q_ref.shape
+  page_size = k_ref.shape[1]
+  block_k = pages_per_block * page_size
+  length = length_ref[()]
+  q = q_ref[...]  # [Gp, D]
+
+  def body(t, carry):
+    o_prev, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] float32
+    start = (t * k_splits + split) * pages_per_block
+    logical = page_idx_ref[pl.ds(start, pages_per_block)]  # [ppb] int32
+    slot_ok = valid_ref[pl.ds(start, pages_per_block)] != 0  # [ppb]
+    phys = page_table_ref[logical]  # [ppb] physical page ids
+    k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
+    v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
+    logits = plgpu.dot(q, k, trans_b=True) * sm_scale  # [Gp, ppb*S] float32
+    pos = logical[:, None] * page_size + lax.broadcasted_iota(
+        jnp.int32, (pages_per_block, page_size), 1)  # [ppb, S] token positions
+    tok_ok = (slot_ok[:, None] & (pos < length)).reshape(1, block_k)  # [1, ppb*S]
+    logits = jnp.where(tok_ok, logits, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=-1))  # [Gp]
+    corr = jnp.exp(m_prev - m_next)  # [Gp]
+    p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
+    l_next = corr * l_prev + p.sum(axis=-1)
+    o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+    return o_next, m_next, l_next
+
+  # Blocks of this split: split, split + k_splits, ... below the active block count.
+  trips = jnp.maximum(active_ref[()] - split + k_splits - 1, 0) // k_splits
+  o0 = jnp.zeros((rows, head_dim), jnp.float32)
+  m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+  l0 = jnp.zeros((rows,), jnp.float32)
+  o, m, l = lax.fori_loop(0, trips, body, (o0, m0, l0))
+  o_ref[...] = o
+  l_ref[...] = l
+  m_ref[...] = m
+
+
+def _check_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid):
+  if q.ndim != 3:
+    raise ValueError(f"q.shape={q.shape}: expected [B, H, D]")
+  b, h, d = q.shape
+  if k_pages.ndim != 4 or k_pages.shape[-1] != d:
+    raise ValueError(f"k_pages.shape={k_pages.shape}: expected [K, P, S, D={d}]")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
+  kvh, _, s, _ = k_pages.shape
+  if h % kvh:
+    raise ValueError(f"q has H={h} heads: expected a multiple of K={kvh} kv heads")
+  if page_table.ndim != 2 or page_table.shape[0] != b:
+    raise ValueError(f"page_table.shape={page_table.shape}: expected [B={b}, M]")
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths.shape={lengths.shape}: expected ({b},)")
+  if page_idx.ndim != 3 or page_idx.shape[:2] != (b, kvh):
+    raise ValueError(f"page_idx.shape={page_idx.shape}: expected [B={b}, K={kvh}, N]")
+  if valid.shape != page_idx.shape:
+    raise ValueError(f"valid.shape={valid.shape}: expected page_idx.shape={page_idx.shape}")
+  if not _is_pow2(d) or d < _MIN_DOT:
+    raise ValueError(f"head_dim={d}: the Pallas Triton kernel needs a power of two >= 16 "
+                     "(use the XLA backend for other head dims)")
+  if not _is_pow2(s):
+    raise ValueError(f"page_size={s}: the Pallas Triton kernel needs a power of two")
+
+
+def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *,
+                           sm_scale=None, config: SparseDecodeConfig | None = None,
+                           interpret: bool = False, poison=None):
+  """Runs the kernel; returns the per-split partial results before the merge.
+
+  `poison`: optional (o, l, m) buffers of the output shapes, aliased to the outputs, so a
+  test can fill them with NaN and check every element gets written.
+
+  Returns:
+    o: [B, K, R, Gp, D] float32 unnormalised outputs; l, m: [B, K, R, Gp] float32 running
+    sum and max per split.
+  """
+  _check_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid)
+  config = SparseDecodeConfig() if config is None else config
+  b, h, d = q.shape
+  kvh, _, s, _ = k_pages.shape
+  g = h // kvh
+  ppb, splits = config.pages_per_block, config.k_splits
+  if ppb * s < _MIN_DOT:
+    raise ValueError(f"pages_per_block * page_size = {ppb} * {s}: expected >= {_MIN_DOT} "
+                     "key rows per compute block")
+  if sm_scale is None:
+    sm_scale = d ** -0.5
+  rows = max(_MIN_DOT, 1 << (g - 1).bit_length())  # GQA group padded for plgpu.dot
+  q_rows = q.reshape(b, kvh, g, d)
+  if rows != g:
+    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [B, K, Gp, D]
+
+  # Pad the slots to whole blocks in every split; padded slots are invalid and hold page 0.
+  n = page_idx.shape[-1]
+  n_pad = -(-n // config.slot_multiple()) * config.slot_multiple()
+  valid = valid.astype(jnp.int32)
+  page_idx = page_idx.astype(jnp.int32)
+  if n_pad != n:
+    page_idx = jnp.pad(page_idx, ((0, 0), (0, 0), (0, n_pad - n)))  # [B, K, N]
+    valid = jnp.pad(valid, ((0, 0), (0, 0), (0, n_pad - n)))
+  # Blocks up to the last valid slot: later blocks are skipped, not loaded.
+  last = jnp.max(valid * (jnp.arange(n_pad, dtype=jnp.int32) + 1), axis=-1)  # [B, K]
+  active = (last + ppb - 1) // ppb  # [B, K]
+
+  out_shape = [
+      jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),  # o
+      jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),  # l
+      jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),  # m
+  ]
+  out_specs = [
+      pl.BlockSpec((None, None, None, rows, d), lambda i, j, r: (i, j, r, 0, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda i, j, r: (i, j, r, 0)),
+      pl.BlockSpec((None, None, None, rows), lambda i, j, r: (i, j, r, 0)),
+  ]
+  in_specs = [
+      pl.BlockSpec((None, None, rows, d), lambda i, j, r: (i, j, 0, 0)),  # q
+      pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
+      pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # v pool
+      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, r: (i, 0)),  # page table
+      pl.BlockSpec((None,), lambda i, j, r: (i,)),  # lengths
+      pl.BlockSpec((None, None, n_pad), lambda i, j, r: (i, j, 0)),  # page_idx
+      pl.BlockSpec((None, None, n_pad), lambda i, j, r: (i, j, 0)),  # valid
+      pl.BlockSpec((None, None), lambda i, j, r: (i, j)),  # active blocks
+  ]
+  args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32),
+          lengths.astype(jnp.int32), page_idx, valid, active]
+  aliases = {}
+  if poison is not None:
+    for i, (buf, shape) in enumerate(zip(poison, out_shape)):
+      if buf.shape != shape.shape or buf.dtype != shape.dtype:
+        raise ValueError(f"poison[{i}] {buf.shape} {buf.dtype}: expected {shape.shape} "
+                         f"{shape.dtype}")
+      aliases[len(args)] = i
+      args.append(buf)
+    in_specs = in_specs + out_specs
+  kernel = functools.partial(_sparse_decode_kernel, sm_scale=float(sm_scale),
+                             pages_per_block=ppb, k_splits=splits)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, kvh, splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=interpret,
+      name="sparse_paged_decode",
+  )(*args)
+
+
+def merge_partials(o, l, m, num_heads: int):
+  """Merges per-split flash-decoding partials into the attention output.
+
+  Args:
+    o: [B, K, R, Gp, D] unnormalised outputs; l, m: [B, K, R, Gp] running sum / max.
+    num_heads: H, the number of real query heads (K * G rows are kept).
+  Returns:
+    [B, H, D] float32; 0 for a row that saw no valid token.
+  """
+  b, kvh, _, _, d = o.shape
+  g = num_heads // kvh
+  o, l, m = o[..., :g, :], l[..., :g], m[..., :g]
+  m_all = jnp.max(m, axis=2, keepdims=True)  # [B, K, 1, G]
+  corr = jnp.exp(m - m_all)  # [B, K, R, G]
+  l_all = jnp.sum(l * corr, axis=2)  # [B, K, G]
+  o_all = jnp.sum(o * corr[..., None], axis=2)  # [B, K, G, D]
+  out = jnp.where(l_all[..., None] > 0, o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None],
+                  0.0)
+  return out.reshape(b, num_heads, d)
+
+
+def sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *, sm_scale=None,
+                  config: SparseDecodeConfig | None = None, interpret: bool = False):
+  """Sparse paged decode attention with the Pallas kernel (same contract as
+  `reference.sparse_decode_reference`).
+
+  Args:
+    q: [B, H, D] queries of the current token.
+    k_pages, v_pages: [K, P, S, D] paged key/value pool of one layer (D, S powers of two).
+    page_table: [B, M] int32 logical -> physical page ids.
+    lengths: [B] int32 tokens in the cache including the current one.
+    page_idx: [B, K, N] int32 selected logical page ids; valid: [B, K, N] bool.
+    sm_scale: softmax scale, default 1/sqrt(D).
+    config: SparseDecodeConfig (static).
+    interpret: run the kernel in the Pallas interpreter (CPU).
+  Returns:
+    [B, H, D] in q.dtype.
+  """
+  o, l, m = sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
+                                   sm_scale=sm_scale, config=config, interpret=interpret)
+  return merge_partials(o, l, m, q.shape[1]).astype(q.dtype)
