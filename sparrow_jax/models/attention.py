@@ -14,7 +14,8 @@ from typing import Union
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.pallas_kernels import reference
+from sparrow_jax.pallas_kernels import (dispatch, reference, selection, sparse_decode,
+                                        teacher_forced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class BlockSparse:
   """
 
   max_budget: int
+  page_size: int = 16
   landmark: str = "mean"
   reserved_bos: int = 1
   reserved_recent: int = 2
@@ -40,6 +42,8 @@ class BlockSparse:
   def __post_init__(self):
     if self.max_budget < 1:
       raise ValueError(f"BlockSparse.max_budget={self.max_budget}: expected >= 1")
+    if self.page_size < 1 or self.page_size & (self.page_size - 1):
+      raise ValueError(f"BlockSparse.page_size={self.page_size}: expected a power of two")
     if self.landmark not in ("mean", "quest"):
       raise ValueError(f"BlockSparse.landmark={self.landmark!r}: expected 'mean' or 'quest'")
     if self.reserved_bos < 0 or self.reserved_recent < 1:
@@ -47,12 +51,10 @@ class BlockSparse:
           f"BlockSparse reserved pages bos={self.reserved_bos} recent={self.reserved_recent}: "
           "expected bos >= 0 and recent >= 1 (the partial page is always attended)")
     object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
-    from sparrow_jax.pallas_kernels import dispatch
     dispatch.Backend(self.backend)  # validates the name
 
   @property
-  def kind(self):
-    from sparrow_jax.pallas_kernels import selection
+  def kind(self) -> selection.LandmarkKind:
     return selection.LandmarkKind(self.landmark)
 
 
@@ -105,11 +107,11 @@ def full_sequence_attention(spec: AttentionSpec, layer: int, q, k, v, *, lengths
     return causal_attention(q, k, v, lengths)
   if budgets is None:
     raise ValueError("BlockSparse attention needs `budgets` [B, T] (pages per query position)")
-  from sparrow_jax.pallas_kernels import teacher_forced
   return teacher_forced.sparse_attention_teacher_forced(
       q, k, v, budgets, lengths=lengths, prompt_lengths=prompt_lengths, kind=spec.kind,
       max_budget=spec.max_budget, reserved_bos=spec.reserved_bos,
-      reserved_recent=spec.reserved_recent, query_chunk=spec.query_chunk)
+      reserved_recent=spec.reserved_recent, page_size=spec.page_size,
+      query_chunk=spec.query_chunk)
 
 
 def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budgets=None):
@@ -122,15 +124,20 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
   if cache.landmark_kind != spec.landmark:
     raise ValueError(f"cache keeps {cache.landmark_kind!r} landmarks but the attention spec "
                      f"asks for {spec.landmark!r}")
-  from sparrow_jax.pallas_kernels import dispatch, selection
-  s = cache.page_size
-  gathered = tuple(selection.gather_landmarks(lm, cache.page_table) for lm in lms)
-  gathered = gathered[0] if spec.kind == selection.LandmarkKind.MEAN else gathered
-  scores = selection.score_pages(q, gathered, spec.kind)  # [B, K, M]
-  num_pages = (lengths + s - 1) // s
-  page_idx, valid = selection.select_pages(
-      scores, num_pages, budgets, max_budget=spec.max_budget, reserved_bos=spec.reserved_bos,
-      reserved_recent=spec.reserved_recent)
+  if cache.page_size != spec.page_size:
+    raise ValueError(f"cache page_size={cache.page_size} differs from the attention spec's "
+                     f"page_size={spec.page_size}")
+  backend = dispatch.resolve_backend(spec.backend)
+  config = None
+  slot_multiple = 1
+  if backend in (dispatch.Backend.PALLAS, dispatch.Backend.PALLAS_INTERPRET):
+    config = sparse_decode.SparseDecodeConfig()
+    slot_multiple = config.slot_multiple()
+  lm = lms[0] if spec.kind == selection.LandmarkKind.MEAN else lms
+  page_idx, valid = selection.select_decode_pages(
+      q, lm, cache.page_table, lengths, budgets, kind=spec.kind, max_budget=spec.max_budget,
+      page_size=spec.page_size, reserved_bos=spec.reserved_bos,
+      reserved_recent=spec.reserved_recent, slot_multiple=slot_multiple)
   return dispatch.sparse_decode_attention(
-      q, k_pages, v_pages, cache.page_table, lengths, page_idx, valid,
-      backend=dispatch.Backend(spec.backend))
+      q, k_pages, v_pages, cache.page_table, lengths, page_idx, valid, backend=backend,
+      config=config)

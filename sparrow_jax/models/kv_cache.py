@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from sparrow_jax.pallas_kernels import selection
+
 
 NULL_PAGE = 0
 LANDMARK_KINDS = ("none", "mean", "quest")
@@ -66,7 +68,6 @@ class PagedKVCache:
     return self.k[i], self.v[i], tuple(lm[i] for lm in self.landmarks)
 
   def _kind(self):
-    from sparrow_jax.pallas_kernels import selection
     return selection.LandmarkKind(self.landmark_kind)
 
   def _set_landmarks(self, layer, phys, keys, num_valid):
@@ -76,7 +77,6 @@ class PagedKVCache:
     """
     if not self.landmarks:
       return self.landmarks
-    from sparrow_jax.pallas_kernels import selection
     num_valid = jnp.broadcast_to(num_valid, keys.shape[:-2])  # [*phys.shape, K]
     lm = selection.compute_landmarks(keys.astype(jnp.float32), num_valid, self._kind())
     lm = lm if isinstance(lm, tuple) else (lm,)

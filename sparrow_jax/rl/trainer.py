@@ -30,6 +30,8 @@ from sparrow_jax.models.config import ModelConfig, get_config
 from sparrow_jax.models.decoder import Decoder, init_model
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import grpo, rewards as rewards_lib
+from sparrow_jax.rl import sharding as sh
+from sparrow_jax.rl.checkpointing import Checkpointer
 from sparrow_jax.rl.config import TrainConfig
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.rl.metrics import MetricsLogger
@@ -86,7 +88,7 @@ def attention_for(schedule: SparsitySchedule, backend: str = "auto") -> attn_lib
   if schedule.is_dense:
     return attn_lib.Dense()
   return attn_lib.BlockSparse(
-      max_budget=max_budget(schedule), landmark=schedule.landmark,
+      max_budget=max_budget(schedule), page_size=schedule.page_size, landmark=schedule.landmark,
       reserved_bos=schedule.reserved_bos, reserved_recent=schedule.reserved_recent,
       dense_layers=schedule.dense_layers, backend=backend)
 
@@ -160,7 +162,11 @@ class Trainer:
     self.schedule = build_schedule(cfg)
     self.attention = attention_for(self.schedule, cfg.attention_backend)
     self.budget_table = None if self.schedule.is_dense else BudgetTable.from_any(self.schedule)
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef, params = nnx.split(model)
+    sh.maybe_initialize_distributed()
+    self.mesh = sh.make_mesh(cfg.mesh)
+    self.param_shardings = sh.param_shardings(params, self.mesh)
+    self.params = sh.shard_tree(params, self.param_shardings)
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if cfg.kl_coef > 0 else None)
     max_len = cfg.max_prompt_len + cfg.max_new_tokens
     self.engine = GenerationEngine(
@@ -169,7 +175,7 @@ class Trainer:
                             logprobs_topk=cfg.monitor_topk),
         attention=self.attention, schedule=self.budget_table)
     self.tx, self.lr_schedule = make_optimizer(cfg)
-    self.opt_state = self.tx.init(self.params)
+    self.opt_state = jax.jit(self.tx.init)(self.params)
     examples = build_examples(cfg)
     self.examples = [e for e in examples
                      if len(encode_prompt(self.tokenizer, e, cfg.chat_template))
@@ -187,6 +193,9 @@ class Trainer:
     self.compilations = 0
     self.lora = self.lora_opt_state = None
     self._distill = None
+    self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
+                                     keep_last=cfg.keep_last,
+                                     save_every=cfg.save_every or max(cfg.num_steps, 1))
     self._build_jitted()
 
   # --- jitted functions ------------------------------------------------------------------
@@ -377,7 +386,7 @@ class Trainer:
     all_finite = True
     for _ in range(cfg.ppo_epochs):
       for s in range(0, cfg.batch_size, mb):
-        mbatch = {k: jnp.asarray(v[s:s + mb]) for k, v in full.items()}
+        mbatch = sh.shard_batch({k: v[s:s + mb] for k, v in full.items()}, self.mesh)
         self.params, self.opt_state, m = self._update(self.params, self.opt_state, mbatch)
         m = jax.device_get(m)
         all_finite &= bool(m["finite"])
@@ -438,6 +447,62 @@ class Trainer:
         out[f"mismatch/p5_bin_{i}"] = float(p5)
     return out
 
+  # --- checkpoints -----------------------------------------------------------------------
+  def _state(self) -> dict[str, Any]:
+    st = {"params": self.params, "opt_state": self.opt_state}
+    if self.ref_params is not None:
+      st["ref_params"] = self.ref_params
+    if self.lora is not None:
+      st["lora"] = self.lora
+      st["lora_opt_state"] = self.lora_opt_state
+    return st
+
+  def _metadata(self) -> dict[str, Any]:
+    return {"step": self.step, "data": self.dataset.state_dict(), "bad_steps": self.bad_steps,
+            "config": self.cfg.to_dict(), "schedule": self.schedule.to_dict(),
+            "ladder": self._ladder_state(),
+            # Sampling keys are fold_in(PRNGKey(seed), position) with seed derived from
+            # (config seed, step, prompt, sample): the step and seed fix every random draw.
+            "rng": {"seed": self.cfg.seed, "scheme": "per-request fold_in(seed, position)"}}
+
+  def _ladder_state(self):
+    return None
+
+  def save_checkpoint(self, force: bool = False) -> bool:
+    return self.checkpointer.save(self.step, self._state(), self._metadata(), force=force)
+
+  def resume(self) -> int:
+    """Restore the latest checkpoint in `out_dir`; returns its step."""
+    step = self.checkpointer.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpointer.directory}")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding),
+                            self._state())
+    state, meta = self.checkpointer.restore(step, abstract)
+    self.params = state["params"]
+    self.opt_state = state["opt_state"]
+    self.ref_params = state.get("ref_params", self.ref_params)
+    if "lora" in state:
+      self.lora, self.lora_opt_state = state["lora"], state["lora_opt_state"]
+    self.step = int(meta["step"])
+    self.bad_steps = int(meta.get("bad_steps", 0))
+    self.dataset.load_state_dict(meta["data"])
+    self._load_ladder_state(meta.get("ladder"))
+    self.engine.set_state(self.params)
+    return self.step
+
+  def _load_ladder_state(self, state) -> None:
+    pass
+
+  def export_hf(self, out_dir: str | None = None) -> str:
+    """Write the dense policy as an HF safetensors directory (transformers loads it)."""
+    from sparrow_jax.models import save_pretrained
+    out_dir = out_dir or os.path.join(self.cfg.out_dir, "hf")
+    model = nnx.merge(self.graphdef, jax.device_get(self.params))
+    save_pretrained(model, out_dir, overwrite=True)
+    return out_dir
+
   # --- the loop --------------------------------------------------------------------------
   def fit(self) -> dict[str, Any]:
     cfg = self.cfg
@@ -450,6 +515,8 @@ class Trainer:
     while self.step < cfg.num_steps:
       metrics = self.train_step()
       logger.log(self.step, metrics)
+      if self.bad_steps == 0 and self.step < cfg.num_steps:
+        self.save_checkpoint()
       if metrics["skipped_update"]:
         logger.event(f"step {self.step}: non-finite loss or gradient, update skipped "
                      f"({self.bad_steps} in a row)")
@@ -459,4 +526,9 @@ class Trainer:
             f"stopping: {self.bad_steps} consecutive steps with a non-finite loss or gradient "
             f"(max_bad_steps={cfg.max_bad_steps}); parameters are those of the last finite "
             "step and earlier checkpoints are untouched")
+    if self.bad_steps == 0:
+      self.save_checkpoint(force=True)
+    self.checkpointer.wait()
+    if cfg.export_hf:
+      logger.event(f"exported the policy to {self.export_hf()}")
     return logger.close()
