@@ -65,39 +65,12 @@ def is_sparse_layer(spec: AttentionSpec, layer: int) -> bool:
   return isinstance(spec, BlockSparse) and layer not in spec.dense_layers
 
 
-def causal_attention(q, k, v, lengths, *, query_chunk: int = 512):
-  """Dense causal GQA attention, float32 softmax, chunked over queries.
-
-  q `[B, T, N, H]`, k/v `[B, T, K, H]`, lengths `[B]` -> `[B, T, N, H]`.
-  """
-  b, t, n, h = q.shape
-  kh = k.shape[2]
-  g = n // kh
-  scale = h ** -0.5
-  kf = k.astype(jnp.float32)
-  vf = v.astype(jnp.float32)
-  key_pos = jnp.arange(t)
-  key_ok = key_pos[None, :] < lengths[:, None]  # [B, T]
-
-  def chunk_fn(q_chunk, q_pos):  # [B, C, N, H], [C]
-    qg = q_chunk.reshape(b, -1, kh, g, h).astype(jnp.float32)
-    s = jnp.einsum("bckgh,btkh->bkgct", qg, kf) * scale
-    ok = (key_pos[None, :] <= q_pos[:, None])[None] & key_ok[:, None, :]  # [B, C, T]
-    s = jnp.where(ok[:, None, None], s, reference.MASK_VALUE)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgct,btkh->bckgh", p, vf)
-    return o.reshape(b, -1, n, h)
-
-  if t <= query_chunk:
-    return chunk_fn(q, key_pos).astype(q.dtype)
-  nc = -(-t // query_chunk)
-  pad = nc * query_chunk - t
-  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
-  qc = qp.reshape(b, nc, query_chunk, n, h).transpose(1, 0, 2, 3, 4)
-  pos = jnp.arange(nc * query_chunk).reshape(nc, query_chunk)
-  out = jax.lax.map(lambda a: chunk_fn(*a), (qc, pos))  # [nc, B, C, N, H]
-  out = out.transpose(1, 0, 2, 3, 4).reshape(b, nc * query_chunk, n, h)[:, :t]
-  return out.astype(q.dtype)
+def causal_attention(q, k, v, lengths, *, query_chunk: int = 256):
+  """Dense causal GQA attention, float32 softmax, in query chunks rematerialised in the
+  backward pass. q `[B, T, N, H]`, k/v `[B, T, K, H]`, lengths `[B]` -> `[B, T, N, H]`
+  (positions at or past `lengths` are zero)."""
+  return teacher_forced.dense_attention_causal(q, k, v, lengths=lengths,
+                                               query_chunk=query_chunk)
 
 
 def full_sequence_attention(spec: AttentionSpec, layer: int, q, k, v, *, lengths,

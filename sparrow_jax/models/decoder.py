@@ -204,7 +204,7 @@ class Decoder(nnx.Module):
   # --- teacher-forced whole sequence ----------------------------------------------------
   def hidden_states(self, tokens, *, lengths=None,
                     attention: attn_lib.AttentionSpec | None = None, budgets=None,
-                    prompt_lengths=None, lora=None):
+                    prompt_lengths=None, lora=None, remat: bool = False):
     """Residual stream after the last layer (before the final norm), `[B, T, D]`.
 
     Args:
@@ -215,6 +215,8 @@ class Decoder(nnx.Module):
       prompt_lengths: int32 `[B]`: queries before this position attend densely, as the
         dense prefill of the generation engine does (BlockSparse only; default 0).
       lora: optional LoRA tree (see `lora.py`).
+      remat: recompute each layer in the backward pass (activation memory of one layer
+        instead of all; training long sequences needs it).
     """
     attention = attention if attention is not None else attn_lib.Dense()
     b, t = tokens.shape
@@ -223,14 +225,19 @@ class Decoder(nnx.Module):
       lengths = jnp.full((b,), t, jnp.int32)
     x = self.embed(tokens)
     for i, layer in enumerate(self.layers):
-      ll = self._layer_lora(lora, i)
-      h = layer.input_norm(x)
-      q, k, v = layer.attn.qkv(h, positions, ll)
-      o = attn_lib.full_sequence_attention(
-          attention, i, q, k, v, lengths=lengths, budgets=budgets,
-          prompt_lengths=prompt_lengths)
-      x = x + layer.attn.out(o, ll)
-      x = x + layer.mlp(layer.post_attn_norm(x), ll)
+
+      def block(layer_state, x, ll, i=i, graphdef=nnx.graphdef(layer)):
+        layer = nnx.merge(graphdef, layer_state)
+        h = layer.input_norm(x)
+        q, k, v = layer.attn.qkv(h, positions, ll)
+        o = attn_lib.full_sequence_attention(
+            attention, i, q, k, v, lengths=lengths, budgets=budgets,
+            prompt_lengths=prompt_lengths)
+        x = x + layer.attn.out(o, ll)
+        return x + layer.mlp(layer.post_attn_norm(x), ll)
+
+      fn = jax.checkpoint(block) if remat else block
+      x = fn(nnx.state(layer), x, self._layer_lora(lora, i))
     return x
 
   def __call__(self, tokens, **kw):

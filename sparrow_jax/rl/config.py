@@ -58,7 +58,9 @@ class TrainConfig:
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
   ppo_epochs: int = 1
-  mini_batch_size: int = 0  # sequences per update; 0 = the whole batch
+  mini_batch_size: int = 0  # sequences per optimizer update; 0 = the whole batch
+  micro_batch_size: int = 0  # sequences per forward/backward (gradient accumulation); 0 = mini
+  remat: bool = False  # recompute each layer in the backward pass (long sequences)
   eps_low: float = 0.2
   eps_high: float = 0.28
   dual_clip_c: float | None = None
@@ -111,7 +113,7 @@ class TrainConfig:
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f}={v!r}: expected a positive integer")
     for f in ("num_steps", "warmup_steps", "warmstart_steps", "save_every", "mini_batch_size",
-              "overlong_buffer"):
+              "micro_batch_size", "overlong_buffer"):
       if getattr(self, f) < 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected >= 0")
     if self.group_size < 2:
@@ -119,6 +121,9 @@ class TrainConfig:
     if self.mini_batch_size and (self.prompts_per_step * self.group_size) % self.mini_batch_size:
       raise ValueError(f"mini_batch_size={self.mini_batch_size} must divide "
                        f"prompts_per_step*group_size={self.prompts_per_step * self.group_size}")
+    if self.micro_batch_size and self.mini_batch % self.micro_batch_size:
+      raise ValueError(f"micro_batch_size={self.micro_batch_size} must divide the mini-batch "
+                       f"of {self.mini_batch} sequences")
     for f in ("lr", "warmstart_lr", "distill_lr"):
       if not getattr(self, f) > 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected > 0")
@@ -143,6 +148,14 @@ class TrainConfig:
   def batch_size(self) -> int:
     return self.prompts_per_step * self.group_size
 
+  @property
+  def mini_batch(self) -> int:
+    return self.mini_batch_size or self.batch_size
+
+  @property
+  def micro_batch(self) -> int:
+    return self.micro_batch_size or self.mini_batch
+
   def replace(self, **kw) -> "TrainConfig":
     return dataclasses.replace(self, **kw)
 
@@ -153,7 +166,8 @@ class TrainConfig:
 _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=2048,
             max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=256,
             lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
-            reward="math_verify", mini_batch_size=64, tis_cap=2.0, num_steps=500,
+            reward="math_verify", mini_batch_size=64, micro_batch_size=2, remat=True,
+            tis_cap=2.0, num_steps=500,
             save_every=20, monitor_topk=20, mismatch_bin_size=2048, tau=0.86)
 
 PRESETS: dict[str, TrainConfig] = {

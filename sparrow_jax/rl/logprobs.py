@@ -72,9 +72,9 @@ def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: i
 
 def token_logprobs(model: Decoder, tokens, *, lengths=None, attention=None, budgets=None,
                    prompt_lengths=None, lora=None, chunk: int = 128, topk: int = 0,
-                   with_entropy: bool = False) -> TokenStats:
+                   with_entropy: bool = False, remat: bool = False) -> TokenStats:
   """Teacher-forced per-token stats of `tokens [B, T]` (dense or block-sparse, ± LoRA)."""
   hidden = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
-                               prompt_lengths=prompt_lengths, lora=lora)
+                               prompt_lengths=prompt_lengths, lora=lora, remat=remat)
   return logits_to_stats(model, hidden, tokens, chunk=chunk, topk=topk,
                          with_entropy=with_entropy)

@@ -34,7 +34,8 @@ Rows of the plan (bytes per device) and their assumptions:
                 of train_seq_len tokens. With `remat` (per-layer checkpointing): the saved
                 input of every layer, plus one layer's recomputed working set during its
                 backward: q/k/v/o and their cotangents, the float32 attention probabilities
-                `[b, N, T, T]` (the query-chunked scan keeps them for its backward), the MLP
+                of one query chunk `[b, N, attn_chunk, T]` (each chunk is rematerialised in
+                the backward pass, so only one chunk's probabilities are live), the MLP
                 gate/up/hidden and cotangents, float32 norm temporaries. Without remat, every
                 layer's working set. Plus float32 logits and their gradient, `[b, chunk, V]`
                 (chunk = T unless `logits_chunk`). Heads, F and V divided by tensor when
@@ -231,6 +232,7 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                 cache_dtype: str | None = None, landmark: str = "mean",
                 master_weights: bool | None = None, reference_model: bool = False,
                 remat: bool = True, logits_chunk: int | None = None,
+                attn_chunk: int = 256,
                 device_bytes: float = 141e9, usable_fraction: float = 0.9,
                 num_devices: int | None = None) -> MemoryPlan:
   """Per-device memory plan (see the module docstring for what each row counts).
@@ -328,7 +330,7 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                    _div_or_keep(cfg.vocab_size, t))
   d = cfg.hidden_size
   qkvo = 2 * b * seq * (2 * n_h + 2 * kh) * cfg.head_dim * ab
-  probs = b * n_h * seq * seq * 4
+  probs = 2 * b * n_h * min(attn_chunk, seq) * seq * 4  # probabilities + cotangent
   mlp = 2 * 3 * b * seq * f_d * ab
   norms = 4 * b * seq * d * 4
   layer_ws = qkvo + probs + mlp + norms

@@ -37,6 +37,9 @@ class MetricsLogger:
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
     self.quiet = quiet
     self.history: list[dict[str, Any]] = []
+    if start_step > 0 and os.path.exists(self.jsonl_path):  # resumed: keep the earlier steps
+      self.history = [r for s, r in sorted(read_jsonl(self.jsonl_path).items())
+                      if s <= start_step]
     self._tb = None
     if tensorboard:
       try:

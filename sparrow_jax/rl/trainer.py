@@ -221,18 +221,34 @@ class Trainer:
                              chunk=chunk).logp
       return stats.logp, stats.topk_ids, stats.topk_logp, ref
 
+    n_micro = cfg.mini_batch // cfg.micro_batch
+
+    def loss_fn(p, mb):
+      model = nnx.merge(graphdef, p)
+      st = token_logprobs(model, mb["tokens"], lengths=mb["lengths"], chunk=chunk,
+                          with_entropy=cfg.entropy_coeff > 0, remat=cfg.remat)
+      return grpo.grpo_loss(st.logp, mb["old_logp"], mb["advantages"], mb["mask"], loss_cfg,
+                            ref_logp=mb.get("ref_logp"), rollout_logp=mb.get("rollout_logp"),
+                            entropy=st.entropy)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
     def update(params, opt_state, batch):
+      """One optimizer step on a mini-batch; gradients averaged over its micro-batches."""
       self.compilations += 1
+      if n_micro == 1:
+        (loss, metrics), grads = grad_fn(params, batch)
+      else:
+        split = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
+        first = jax.tree.map(lambda x: x[0], split)
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
+                             jax.eval_shape(grad_fn, params, first))
 
-      def loss_fn(p):
-        model = nnx.merge(graphdef, p)
-        st = token_logprobs(model, batch["tokens"], lengths=batch["lengths"], chunk=chunk,
-                            with_entropy=cfg.entropy_coeff > 0)
-        return grpo.grpo_loss(st.logp, batch["old_logp"], batch["advantages"], batch["mask"],
-                              loss_cfg, ref_logp=batch.get("ref_logp"),
-                              rollout_logp=batch.get("rollout_logp"), entropy=st.entropy)
+        def body(acc, mb):
+          out = grad_fn(params, mb)
+          return jax.tree.map(lambda a, b: a + b / n_micro, acc, out), None
 
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, split)
       params, opt_state, ok, gnorm = _guarded_apply(self.tx, params, opt_state, grads, loss)
       return params, opt_state, dict(metrics, loss=loss, grad_norm=gnorm, finite=ok)
 
@@ -381,7 +397,7 @@ class Trainer:
       full["rollout_logp"] = batch["rollout_logp"]
     if ref_logp is not None:
       full["ref_logp"] = np.asarray(ref_logp)
-    mb = cfg.mini_batch_size or cfg.batch_size
+    mb = cfg.mini_batch
     upd_metrics = []
     all_finite = True
     for _ in range(cfg.ppo_epochs):

@@ -1,0 +1,133 @@
+"""Trainer: exact resume, non-finite steps, failing verifiers, bad input, HF export, dry run."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.rl import rewards as rewards_lib
+from sparrow_jax.rl.config import get_train_config
+from sparrow_jax.rl.metrics import read_jsonl
+from sparrow_jax.rl.trainer import Trainer, TrainingStopped
+
+import experiments.train as train_cli
+
+SMALL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",
+         "tensorboard=false", "save_every=1"]
+
+
+def _cfg(tmp, *extra):
+  return get_train_config("tiny", SMALL + [f"out_dir={tmp}"] + list(extra))
+
+
+def _comparable(rec):
+  return {k: v for k, v in rec.items()
+          if not k.startswith("time/") and k not in ("rollout/tokens_per_s", "compilations")}
+
+
+def _leaves(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_resume_continues_exactly(tmp_path, distill):
+  flag = f"distill={str(distill).lower()}"
+  full = Trainer(_cfg(tmp_path / "full", "num_steps=5", flag), quiet=True)
+  full.fit()
+  part = Trainer(_cfg(tmp_path / "part", "num_steps=3", flag), quiet=True)
+  part.fit()
+  assert part.checkpointer.latest_step() == 3
+  resumed = Trainer(_cfg(tmp_path / "part", "num_steps=5", flag), quiet=True)
+  assert resumed.resume() == 3
+  resumed.fit()
+  a = read_jsonl(str(tmp_path / "full" / "metrics.jsonl"))
+  b = read_jsonl(str(tmp_path / "part" / "metrics.jsonl"))
+  for step in (4, 5):
+    assert _comparable(a[step]) == _comparable(b[step]), step
+  for x, y in zip(_leaves(full._state()), _leaves(resumed._state())):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
+  tr = Trainer(_cfg(tmp_path, "num_steps=6", "max_bad_steps=2", "distill=false"), quiet=True)
+  real_score = tr.score
+  calls = {"n": 0}
+
+  def score(examples, comps):
+    calls["n"] += 1
+    r, res = real_score(examples, comps)
+    if calls["n"] >= 3:  # steps 3, 4: NaN rewards -> NaN advantages -> NaN loss
+      r = np.full_like(r, np.nan)
+    return r, res
+
+  monkeypatch.setattr(tr, "score", score)
+  with pytest.raises(TrainingStopped, match="2 consecutive steps"):
+    tr.fit()
+  ckpt_steps = tr.checkpointer.all_steps()
+  assert ckpt_steps == [1, 2]  # nothing written for the NaN steps, nothing lost
+  saved, _ = tr.checkpointer.restore(2, jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tr._state()))
+  for x, y in zip(_leaves(saved["params"]), _leaves(tr.params)):
+    np.testing.assert_array_equal(x, y)  # skipped updates left the parameters untouched
+  recs = read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert recs[3]["skipped_update"] is True and recs[4]["skipped_update"] is True
+
+
+def test_crashing_verifier_gives_zero_reward_and_is_counted(tmp_path):
+  name = "test_flaky_exact"
+  if name not in rewards_lib.list_rewards():
+    @rewards_lib.register_reward(name)
+    def flaky(completion, answer):
+      if len(completion) % 2:
+        raise RuntimeError("verifier exploded")
+      return rewards_lib.exact_match(completion, answer)
+  tr = Trainer(_cfg(tmp_path, "num_steps=1", f"reward={name}", "distill=false"), quiet=True)
+  tr.fit()
+  rec = read_jsonl(str(tmp_path / "metrics.jsonl"))[1]
+  assert rec["reward/verifier_errors"] > 0
+  assert 0.0 <= rec["reward/mean"] <= 1.0
+
+
+def test_bad_input_is_a_clear_error(tmp_path, capsys):
+  with pytest.raises(FileNotFoundError, match="model_path"):
+    Trainer(_cfg(tmp_path, "model_path=/nonexistent/model"), quiet=True)
+  assert train_cli.main(["no_such_key=3"]) == 2
+  assert "unknown config key 'no_such_key'" in capsys.readouterr().err
+  assert train_cli.main(["lr=fast"]) == 2
+  assert train_cli.main(["--config", "nope"]) == 2
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{not json\n')
+  assert train_cli.main([f"data={bad}", f"out_dir={tmp_path / 'o'}"]) == 2
+  err = capsys.readouterr().err
+  assert "bad.jsonl" in err and "2" in err
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    Trainer(_cfg(tmp_path / "empty"), quiet=True).resume()
+
+
+def test_exported_policy_loads_in_transformers(tmp_path):
+  import torch
+  import transformers
+  tr = Trainer(_cfg(tmp_path, "num_steps=1", "distill=false"), quiet=True)
+  tr.fit()
+  path = tr.export_hf()
+  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+  tokens = np.random.default_rng(0).integers(0, 259, (2, 17))
+  with torch.no_grad():
+    ref = hf(torch.tensor(tokens)).logits.numpy()
+  from flax import nnx
+  ours = nnx.merge(tr.graphdef, tr.params)(jax.numpy.asarray(tokens, jax.numpy.int32))
+  np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
+
+
+def test_dry_run_prints_the_memory_table(capsys):
+  from sparrow_jax.models.config import get_config
+  assert train_cli.main(["--config", "qwen3_14b", "--dry-run", "--num-devices", "32"]) == 0
+  out = capsys.readouterr().out
+  for row in ("params", "optimizer", "kv_cache", "activations", "fits"):
+    assert row in out
+  n = get_config("qwen3_14b").num_params()
+  assert f"{n / 1e9:.3f} B params" in out
+  assert train_cli.main(["--config", "qwen3_14b", "--dry-run", "--num-devices", "1"]) == 1
+  assert "does not fit" in capsys.readouterr().out
