@@ -1,0 +1,196 @@
+"""Schedule switching (paper §4.5.1, made automatic): a ladder of ever more aggressive schedules.
+
+DistillSparse lets a sparser schedule meet the same tail threshold; the paper switched from the
+0.86 table to the 0.80 table by hand after 20K examples, once the 0.80 table's p5 acceptance
+reached ~0.86. `ScheduleLadder` does this online: every `probe_every` steps the trainer
+measures the tail alpha of the *next* schedule (the candidate) with the current LoRA on a small
+probe batch (`probe_tail_alpha`), and calls `observe(tail)`; when the tail stays >= tau for
+`patience` (M) consecutive checks the ladder switches to the candidate. A check below tau
+resets the streak. The ladder only moves forward.
+
+  tau            the tail target (p5 of alpha_t >= tau), 0.86 in the paper.
+  M (patience)   consecutive passing checks required to switch.
+  probe tail     the 5th percentile of exact alpha_t = sum_v min(p_t(v), q_t(v)) between the
+                 dense policy p and the sparse actor q (+ LoRA) under the candidate schedule,
+                 over the probe batch's response tokens (or, with `bin_size`, the minimum
+                 per-bin p5 over bins with at least `min_count` tokens).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparrow_jax.models import attention as attn_lib
+from sparrow_jax.rl.distill import schedule_budgets
+from sparrow_jax.schedule import mismatch
+from sparrow_jax.schedule.schedule import SparsitySchedule, max_budget
+
+logger = logging.getLogger(__name__)
+
+
+class ScheduleLadder:
+  """Schedules from the current (least sparse) to the most aggressive; see the module doc."""
+
+  def __init__(self, schedules: Sequence[SparsitySchedule], *, tau: float, patience: int = 3,
+               probe_every: int = 5):
+    schedules = list(schedules)
+    if not schedules:
+      raise ValueError("ScheduleLadder.schedules=[]: expected at least one SparsitySchedule")
+    for i, s in enumerate(schedules):
+      if not isinstance(s, SparsitySchedule):
+        raise ValueError(f"ScheduleLadder.schedules[{i}]={s!r}: expected a SparsitySchedule")
+    names = [s.name for s in schedules]
+    if len(set(names)) != len(names):
+      raise ValueError(f"ScheduleLadder.schedules names {names}: expected distinct names")
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0.0 < tau <= 1.0:
+      raise ValueError(f"ScheduleLadder.tau={tau!r}: expected a float in (0, 1]")
+    for f, v in (("patience", patience), ("probe_every", probe_every)):
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"ScheduleLadder.{f}={v!r}: expected a positive int")
+    self.schedules = schedules
+    self.tau = float(tau)
+    self.patience = patience
+    self.probe_every = probe_every
+    self.index = 0
+    self.streak = 0
+    self.checks = 0
+    self.history: list[dict[str, Any]] = []  # one entry per switch
+
+  @property
+  def current(self) -> SparsitySchedule:
+    return self.schedules[self.index]
+
+  @property
+  def candidate(self) -> SparsitySchedule | None:
+    """The next, more aggressive schedule (None at the top of the ladder)."""
+    return self.schedules[self.index + 1] if self.index + 1 < len(self.schedules) else None
+
+  def should_probe(self, step: int) -> bool:
+    """True on steps where the trainer should measure the candidate (never at the top)."""
+    return self.candidate is not None and step > 0 and step % self.probe_every == 0
+
+  def observe(self, probe_tail_alpha: float, *, step: int | None = None) -> bool:
+    """Record one check of the candidate's tail; returns True if the ladder switched."""
+    if self.candidate is None:
+      return False
+    tail = float(probe_tail_alpha)
+    if not np.isfinite(tail):
+      raise ValueError(f"ScheduleLadder.observe: probe_tail_alpha={probe_tail_alpha!r}: "
+                       "expected a finite float")
+    self.checks += 1
+    self.streak = self.streak + 1 if tail >= self.tau else 0
+    if self.streak < self.patience:
+      return False
+    old, new = self.current, self.candidate
+    self.index += 1
+    self.streak = 0
+    self.history.append({"step": step, "check": self.checks, "from": old.name, "to": new.name,
+                         "tail": tail})
+    logger.warning("schedule ladder: switched %s -> %s%s (candidate tail %.4f >= tau %.3f "
+                   "for %d consecutive checks)", old.name, new.name,
+                   "" if step is None else f" at step {step}", tail, self.tau, self.patience)
+    return True
+
+  def metrics(self) -> dict[str, float]:
+    return {"ladder/index": float(self.index), "ladder/streak": float(self.streak),
+            "ladder/checks": float(self.checks), "ladder/switches": float(len(self.history))}
+
+  # --- checkpoints ----------------------------------------------------------------------
+  def state_dict(self) -> dict[str, Any]:
+    return {"names": [s.name for s in self.schedules], "index": self.index,
+            "streak": self.streak, "checks": self.checks,
+            "history": [dict(h) for h in self.history]}
+
+  def load_state_dict(self, state: dict[str, Any]) -> None:
+    names = [s.name for s in self.schedules]
+    if list(state.get("names", [])) != names:
+      raise ValueError(f"ScheduleLadder.load_state_dict: names {state.get('names')!r}: "
+                       f"expected this ladder's schedules {names}")
+    index, streak = int(state["index"]), int(state["streak"])
+    if not 0 <= index < len(names) or not 0 <= streak < self.patience:
+      raise ValueError(f"ScheduleLadder.load_state_dict: index={index}, streak={streak}: "
+                       f"expected 0 <= index < {len(names)} and 0 <= streak < {self.patience}")
+    self.index, self.streak = index, streak
+    self.checks = int(state.get("checks", 0))
+    self.history = [dict(h) for h in state.get("history", [])]
+
+
+# --- probing -------------------------------------------------------------------------------
+
+def attention_for(schedule: SparsitySchedule, max_position: int,
+                  **overrides) -> attn_lib.BlockSparse:
+  """The BlockSparse spec a schedule implies for sequences up to `max_position` tokens."""
+  if schedule.is_dense:
+    raise ValueError(f"schedule {schedule.name!r} is dense: expected a sparse schedule to probe")
+  kw = dict(max_budget=max_budget(schedule, max_position), page_size=schedule.page_size,
+            landmark=schedule.landmark,
+            reserved_bos=schedule.reserved_bos, reserved_recent=schedule.reserved_recent,
+            dense_layers=schedule.dense_layers)
+  kw.update(overrides)
+  return attn_lib.BlockSparse(**kw)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention"))
+def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths, temperature,
+                 *, attention):
+  model = nnx.merge(graphdef, state)
+  dense = model(tokens, lengths=lengths)  # [B, T, V]
+  sparse = model(tokens, lengths=lengths, attention=attention, budgets=budgets,
+                 prompt_lengths=prompt_lengths, lora=lora)
+  # Token t is predicted by the logits at t - 1: alpha of token t is at index t.
+  alpha = mismatch.acceptance_rate(dense[:, :-1] / temperature, sparse[:, :-1] / temperature)
+  return jnp.pad(alpha, ((0, 0), (1, 0)))  # [B, T]
+
+
+def probe_alpha(graphdef, state, lora, tokens, schedule: SparsitySchedule, *,
+                prompt_lengths=None, lengths=None, attention: attn_lib.BlockSparse | None = None,
+                temperature: float = 1.0) -> np.ndarray:
+  """Exact alpha_t of every token between the dense policy and sparse(+LoRA) under `schedule`.
+
+  tokens [B, T]; returns float32 [B, T] aligned with tokens (entry 0 is 0: no prediction).
+  `attention` overrides the spec derived from the schedule (`attention_for`); its max_budget
+  must cover the schedule's budgets. `lora=None` probes the sparse actor without adapters.
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  b, t = tokens.shape
+  attention = attention if attention is not None else attention_for(schedule, t)
+  if max_budget(schedule, t) > attention.max_budget:
+    raise ValueError(f"schedule {schedule.name!r} needs max_budget {max_budget(schedule, t)}: "
+                     f"attention.max_budget={attention.max_budget} is smaller")
+  if schedule.page_size != attention.page_size:
+    raise ValueError(f"schedule {schedule.name!r} page_size={schedule.page_size}: expected the "
+                     f"attention spec's page_size={attention.page_size}")
+  budgets = schedule_budgets(schedule, b, t)
+  return np.asarray(_probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths,
+                                 lengths, jnp.float32(temperature), attention=attention))
+
+
+def probe_tail_alpha(graphdef, state, lora, tokens, mask, prompt_lengths, schedule, *,
+                     lengths=None, attention=None, temperature: float = 1.0,
+                     quantile: float = 5.0, bin_size: int | None = None,
+                     min_count: int = 1) -> float:
+  """p-quantile (5th) of exact alpha over the masked tokens of a probe batch under `schedule`.
+
+  With `bin_size`, the minimum over position bins (>= min_count tokens) of the per-bin
+  quantile: the stricter check that every bin meets tau. NaN when no token is masked in.
+  """
+  alpha = probe_alpha(graphdef, state, lora, tokens, schedule, prompt_lengths=prompt_lengths,
+                      lengths=lengths, attention=attention, temperature=temperature)
+  m = np.asarray(mask) > 0
+  m[:, 0] = False
+  if not m.any():
+    return float("nan")
+  if bin_size is None:
+    return float(np.percentile(alpha[m], quantile))
+  pos = np.broadcast_to(np.arange(alpha.shape[1]), alpha.shape)[m] // bin_size
+  vals = alpha[m]
+  tails = [np.percentile(vals[pos == k], quantile) for k in np.unique(pos)
+           if np.sum(pos == k) >= min_count]
+  return float(min(tails)) if tails else float("nan")
