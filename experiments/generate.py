@@ -66,8 +66,8 @@ def main(argv=None) -> int:
       raise ValueError("give --sparse-budget or --schedule, not both")
     attention, schedule = attn_lib.Dense(), None
     if args.schedule is not None or args.sparse_budget is not None:
-      from sparrow_jax.rl.trainer import attention_for
       from sparrow_jax.schedule import parse_schedule
+      from sparrow_jax.schedule.schedule import attention_spec
       import dataclasses
       spec = args.schedule or f"constant:{args.sparse_budget}"
       schedule = parse_schedule(spec)
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         schedule = dataclasses.replace(schedule, landmark=args.landmark)
         if spec.startswith("constant:"):
           schedule = dataclasses.replace(schedule, page_size=args.page_size)
-      attention = attention_for(schedule, args.backend)
+      attention = attention_spec(schedule, backend=args.backend)
       schedule = None if schedule.is_dense else schedule
     reqs = []
     for i, text in enumerate(args.prompt):

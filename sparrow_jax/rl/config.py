@@ -84,6 +84,7 @@ class TrainConfig:
   lora_alpha: float = 16.0
   lora_targets: str = "q,k,v,o,gate,up,down"
   distill_lr: float = 1e-4
+  distill_warmup_steps: int = 10  # linear LoRA lr warm-up: Adam's first steps are full-size
   distill_coef: float = 1.0
   distill_kind: str = "k3"  # k3 | reverse_kl_full
   # mismatch monitor and schedule ladder
@@ -113,7 +114,7 @@ class TrainConfig:
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f}={v!r}: expected a positive integer")
     for f in ("num_steps", "warmup_steps", "warmstart_steps", "save_every", "mini_batch_size",
-              "micro_batch_size", "overlong_buffer"):
+              "micro_batch_size", "overlong_buffer", "distill_warmup_steps"):
       if getattr(self, f) < 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected >= 0")
     if self.group_size < 2:
@@ -172,16 +173,17 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
 
 PRESETS: dict[str, TrainConfig] = {
     # The embedded default: random-init tiny Qwen3 + byte tokenizer, a supervised warm start
-    # on single-digit arithmetic, then GRPO on sparse rollouts (page 8, 1 top-k page + 3
-    # reserved, layer 0 dense) with DistillSparse on. Finishes in minutes on a laptop CPU.
+    # on single-digit arithmetic, then GRPO on sparse rollouts with DistillSparse on. The
+    # sequences are ~9 tokens, so pages of 2 tokens make the schedule (1 top-k page + 1 bos
+    # + 2 recent, layer 0 dense) really sparse. Finishes in minutes on a laptop CPU.
     "tiny": TrainConfig(
         model="tiny", arith_min_digits=1, arith_max_digits=1, arith_ops="+",
         arith_template="raw", num_examples=32, reward="exact_match", prompts_per_step=16,
         group_size=8, max_prompt_len=32, max_new_tokens=4, temperature=1.0,
-        schedule="constant:1", page_size=4, dense_layers="0", num_slots=128, decode_chunk=4,
+        schedule="constant:1", page_size=2, dense_layers="0", num_slots=128, decode_chunk=4,
         num_steps=60, lr=1e-3, warmup_steps=0, max_grad_norm=1.0, warmstart_steps=60,
         warmstart_lr=3e-3,
-        warmstart_batch=32, distill=True, lora_rank=4, distill_lr=3e-3,
+        warmstart_batch=32, distill=True, lora_rank=4, distill_lr=3e-4,
         out_dir="runs/tiny", tensorboard=True, mismatch_bin_size=8, monitor_topk=8,
         probe_every=4),
     "smollm2_135m": TrainConfig(

@@ -211,6 +211,19 @@ class GenerationEngine:
     return cache, outs
 
   # --- host side ------------------------------------------------------------------------
+  def set_attention(self, attention: attn_lib.AttentionSpec, schedule=None) -> None:
+    """Switch schedule/strategy. Budgets are traced, so a new table alone never recompiles;
+    a new static spec (e.g. a larger max_budget) retraces the decode step once."""
+    table = BudgetTable.from_any(schedule)
+    if attention != self.attention:
+      if (isinstance(attention, attn_lib.BlockSparse)
+          and attention.landmark != self.cache.landmark_kind):
+        raise ValueError(f"cannot switch to {attention.landmark!r} landmarks: the cache keeps "
+                         f"{self.cache.landmark_kind!r}")
+      self.attention = attention
+      self._decode_fn = jax.jit(self._decode_impl, donate_argnums=(1,))
+    self.budget_table = table
+
   def set_state(self, state) -> None:
     """Swap in new policy parameters (same structure): no recompilation."""
     self.state = state

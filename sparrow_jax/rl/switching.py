@@ -30,7 +30,7 @@ from flax import nnx
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.rl.distill import schedule_budgets
 from sparrow_jax.schedule import mismatch
-from sparrow_jax.schedule.schedule import SparsitySchedule, max_budget
+from sparrow_jax.schedule.schedule import attention_spec, SparsitySchedule, max_budget
 
 logger = logging.getLogger(__name__)
 
@@ -129,12 +129,7 @@ def attention_for(schedule: SparsitySchedule, max_position: int,
   """The BlockSparse spec a schedule implies for sequences up to `max_position` tokens."""
   if schedule.is_dense:
     raise ValueError(f"schedule {schedule.name!r} is dense: expected a sparse schedule to probe")
-  kw = dict(max_budget=max_budget(schedule, max_position), page_size=schedule.page_size,
-            landmark=schedule.landmark,
-            reserved_bos=schedule.reserved_bos, reserved_recent=schedule.reserved_recent,
-            dense_layers=schedule.dense_layers)
-  kw.update(overrides)
-  return attn_lib.BlockSparse(**kw)
+  return attention_spec(schedule, max_position=max_position, **overrides)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "attention"))

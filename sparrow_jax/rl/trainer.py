@@ -32,6 +32,10 @@ from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import grpo, rewards as rewards_lib
 from sparrow_jax.rl import sharding as sh
 from sparrow_jax.rl.checkpointing import Checkpointer
+from sparrow_jax.models import lora as lora_lib
+from sparrow_jax.rl import distill as distill_lib
+from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig
+from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
 from sparrow_jax.rl.config import TrainConfig
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.rl.metrics import MetricsLogger
@@ -40,7 +44,7 @@ from sparrow_jax.rl.rollout import (BudgetTable, EngineConfig, GenerationEngine,
 from sparrow_jax.rl.sampling import SamplingParams
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule import mismatch, presets
-from sparrow_jax.schedule.schedule import SparsitySchedule, max_budget, parse_schedule
+from sparrow_jax.schedule.schedule import SparsitySchedule, attention_spec, parse_schedule
 
 
 class TrainingStopped(RuntimeError):
@@ -82,15 +86,6 @@ def build_schedule(cfg: TrainConfig, spec: str | None = None) -> SparsitySchedul
   if not sched.is_dense and sched.landmark != cfg.landmark:
     kw["landmark"] = cfg.landmark
   return dataclasses.replace(sched, **kw) if kw else sched
-
-
-def attention_for(schedule: SparsitySchedule, backend: str = "auto") -> attn_lib.AttentionSpec:
-  if schedule.is_dense:
-    return attn_lib.Dense()
-  return attn_lib.BlockSparse(
-      max_budget=max_budget(schedule), page_size=schedule.page_size, landmark=schedule.landmark,
-      reserved_bos=schedule.reserved_bos, reserved_recent=schedule.reserved_recent,
-      dense_layers=schedule.dense_layers, backend=backend)
 
 
 def build_examples(cfg: TrainConfig) -> list[data_lib.PromptExample]:
@@ -160,7 +155,7 @@ class Trainer:
     model, self.tokenizer = build_model(cfg)
     self.model_cfg: ModelConfig = model.cfg
     self.schedule = build_schedule(cfg)
-    self.attention = attention_for(self.schedule, cfg.attention_backend)
+    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend)
     self.budget_table = None if self.schedule.is_dense else BudgetTable.from_any(self.schedule)
     self.graphdef, params = nnx.split(model)
     sh.maybe_initialize_distributed()
@@ -191,8 +186,29 @@ class Trainer:
     self.step = 0
     self.bad_steps = 0
     self.compilations = 0
+    self.monitor = MismatchMonitor(MonitorConfig(tau=cfg.tau, bin_size=cfg.mismatch_bin_size,
+                                                 min_count=8))
+    self.ladder = None
+    if cfg.ladder.strip():
+      rungs = [self.schedule] + [build_schedule(cfg, x.strip())
+                                 for x in cfg.ladder.split(",") if x.strip()]
+      self.ladder = ScheduleLadder(rungs, tau=cfg.tau, patience=cfg.ladder_patience,
+                                   probe_every=cfg.probe_every)
     self.lora = self.lora_opt_state = None
-    self._distill = None
+    self._distill_step = None
+    if cfg.distill:
+      if self.schedule.is_dense:
+        raise ValueError("distill=true needs a sparse schedule (the LoRA serves the sparse "
+                         f"actor), got schedule={cfg.schedule!r}")
+      lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
+                                 targets=cfg.lora_targets)
+      self.lora = lora_lib.init_lora(self.model_cfg, lcfg, jax.random.PRNGKey(cfg.seed + 7))
+      lr = (optax.linear_schedule(cfg.distill_lr / cfg.distill_warmup_steps, cfg.distill_lr,
+                                  cfg.distill_warmup_steps)
+            if cfg.distill_warmup_steps else cfg.distill_lr)
+      self.lora_tx = distill_lib.default_optimizer(lr)
+      self.lora_opt_state = self.lora_tx.init(self.lora)
+      self._build_distill()
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
                                      save_every=cfg.save_every or max(cfg.num_steps, 1))
@@ -254,6 +270,21 @@ class Trainer:
 
     self._recompute = jax.jit(recompute)
     self._update = jax.jit(update, donate_argnums=(0, 1))
+
+  def _build_distill(self):
+    cfg = self.cfg
+    dcfg = distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
+                                     logprob_chunk=cfg.logprob_chunk)
+    self._distill_step = distill_lib.make_distill_step(self.graphdef, self.attention,
+                                                       self.lora_tx, dcfg)
+
+  def _switch_schedule(self, schedule: SparsitySchedule) -> None:
+    self.schedule = schedule
+    self.attention = attention_spec(schedule, backend=self.cfg.attention_backend)
+    self.budget_table = BudgetTable.from_any(schedule)
+    self.engine.set_attention(self.attention, self.budget_table)
+    if self.cfg.distill:
+      self._build_distill()
 
   # --- supervised warm start -------------------------------------------------------------
   def warmstart(self, logger: MetricsLogger | None = None) -> dict[str, float]:
@@ -411,8 +442,18 @@ class Trainer:
     self.engine.set_state(self.params)
     # DistillSparse: LoRA-only update through the sparse teacher-forced forward.
     dist_metrics = {}
-    if cfg.distill and self._distill is not None:
-      dist_metrics = self._distill(batch, np.asarray(old_logp), mask)
+    if cfg.distill:
+      t3 = time.perf_counter()
+      b, t = batch["tokens"].shape
+      dbatch = dict(tokens=batch["tokens"], mask=mask, old_logp=np.asarray(old_logp),
+                    budgets=np.asarray(teacher_forced_budgets(self.budget_table, t, b)),
+                    prompt_lengths=batch["prompt_lens"], lengths=batch["lengths"])
+      self.lora, self.lora_opt_state, dm = self._distill_step(
+          self.lora, self.lora_opt_state, self.params,
+          sh.shard_batch(dbatch, self.mesh))
+      dist_metrics = {k: float(v) for k, v in jax.device_get(dm).items()}
+      dist_metrics["time/distill_s"] = time.perf_counter() - t3
+    ladder_metrics = self._maybe_switch(step, batch, mask)
     self.step = step
     self.bad_steps = 0 if all_finite else self.bad_steps + 1
     resp_lens = np.array([len(c.token_ids) for c in comps])
@@ -441,7 +482,26 @@ class Trainer:
         out[f"loss/{key}"] = mean(key)
     out.update(mon)
     out.update(dist_metrics)
+    out.update(ladder_metrics)
     return out
+
+  def _maybe_switch(self, step: int, batch, mask) -> dict[str, Any]:
+    """Probe the next, more aggressive schedule (with the current LoRA) on this rollout;
+    switch after `ladder_patience` consecutive probes with tail alpha >= tau."""
+    if self.ladder is None or self.ladder.candidate is None or not self.ladder.should_probe(step):
+      return {} if self.ladder is None else dict(self.ladder.metrics())
+    n = min(self.cfg.group_size, batch["tokens"].shape[0])  # a small probe batch
+    tail = probe_tail_alpha(
+        self.graphdef, self.params, self.lora, jnp.asarray(batch["tokens"][:n]),
+        jnp.asarray(mask[:n]), jnp.asarray(batch["prompt_lens"][:n]), self.ladder.candidate,
+        lengths=jnp.asarray(batch["lengths"][:n]), bin_size=self.cfg.mismatch_bin_size)
+    candidate = self.ladder.candidate
+    if self.ladder.observe(tail, step=step):
+      self._switch_schedule(self.ladder.current)
+      print(f"step {step}: switched schedule to {candidate.name} (probe tail alpha "
+            f"{tail:.3f} >= tau {self.cfg.tau} for {self.cfg.ladder_patience} checks)",
+            flush=True)
+    return dict(self.ladder.metrics(), **{"ladder/probe_tail_alpha": tail})
 
   def _opt_count(self):
     counts = [x for x in jax.tree.leaves(self.opt_state)
@@ -449,19 +509,10 @@ class Trainer:
     return counts[0] if counts else jnp.zeros((), jnp.int32)
 
   def _monitor(self, batch, dense_ids, dense_lp, mask) -> dict[str, float]:
-    cfg = self.cfg
-    alpha = np.asarray(mismatch.topk_acceptance_lower_bound(
-        jnp.asarray(dense_ids), jnp.asarray(dense_lp), jnp.asarray(batch["rollout_topk_ids"]),
-        jnp.asarray(batch["rollout_topk_logp"]), jnp.asarray(mask)))
-    positions = np.broadcast_to(np.arange(mask.shape[1]), mask.shape)
-    stats = mismatch.bin_stats(alpha, positions, mask, bin_size=cfg.mismatch_bin_size)
-    valid = alpha[mask > 0]
-    out = {"mismatch/p5_overall": float(np.percentile(valid, 5)) if valid.size else float("nan"),
-           "mismatch/mean": float(valid.mean()) if valid.size else float("nan")}
-    for i, (c, p5) in enumerate(zip(stats.count, stats.p5)):
-      if c > 0:
-        out[f"mismatch/p5_bin_{i}"] = float(p5)
-    return out
+    """Per-bin tail of Sparrow's online statistic: the top-k lower bound of alpha between
+    the sparse actor (top-k kept during rollout) and the dense recompute."""
+    return self.monitor.update(batch["rollout_topk_ids"], batch["rollout_topk_logp"],
+                               dense_ids, dense_lp, mask, step=self.step + 1)
 
   # --- checkpoints -----------------------------------------------------------------------
   def _state(self) -> dict[str, Any]:
@@ -482,7 +533,7 @@ class Trainer:
             "rng": {"seed": self.cfg.seed, "scheme": "per-request fold_in(seed, position)"}}
 
   def _ladder_state(self):
-    return None
+    return None if self.ladder is None else self.ladder.state_dict()
 
   def save_checkpoint(self, force: bool = False) -> bool:
     return self.checkpointer.save(self.step, self._state(), self._metadata(), force=force)
@@ -509,7 +560,10 @@ class Trainer:
     return self.step
 
   def _load_ladder_state(self, state) -> None:
-    pass
+    if self.ladder is not None and state is not None:
+      self.ladder.load_state_dict(state)
+      if self.ladder.current != self.schedule:
+        self._switch_schedule(self.ladder.current)
 
   def export_hf(self, out_dir: str | None = None) -> str:
     """Write the dense policy as an HF safetensors directory (transformers loads it)."""

@@ -326,3 +326,19 @@ def describe(schedule: SparsitySchedule) -> str:
           f"recent, dense layers {list(schedule.dense_layers)}, landmark {schedule.landmark}, "
           f"tau {schedule.tau}")
 
+
+
+def attention_spec(schedule: SparsitySchedule, *, max_position: int | None = None,
+                   backend: str = "auto", **overrides):
+  """The attention strategy a schedule implies: `Dense()` or a `BlockSparse` spec whose static
+  `max_budget` covers the schedule up to `max_position` tokens (all bins when None)."""
+  from sparrow_jax.models import attention as attn_lib  # models do not import schedules
+
+  if schedule.is_dense:
+    return attn_lib.Dense()
+  kw = dict(max_budget=max_budget(schedule, max_position), page_size=schedule.page_size,
+            landmark=schedule.landmark, reserved_bos=schedule.reserved_bos,
+            reserved_recent=schedule.reserved_recent, dense_layers=schedule.dense_layers,
+            backend=backend)
+  kw.update(overrides)
+  return attn_lib.BlockSparse(**kw)

@@ -1,0 +1,73 @@
+"""Evaluation of a policy on a prompt set: k samples per prompt, avg@k / pass@k / maj@k
+(`eval_metrics`), with dense, sparse or sparse+LoRA rollouts; sparse modes also report the
+tail of the exact acceptance rate alpha_t of their own rollouts against the dense policy."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.models import attention as attn_lib
+from sparrow_jax.rl import data as data_lib
+from sparrow_jax.rl import rewards as rewards_lib
+from sparrow_jax.rl.eval_metrics import eval_summary
+from sparrow_jax.rl.rollout import Request
+from sparrow_jax.rl.sampling import SamplingParams
+from sparrow_jax.rl.switching import probe_tail_alpha
+from sparrow_jax.rl.trainer import encode_prompt
+
+MODES = ("dense", "sparse", "sparse_lora")
+
+
+def extract_answer(text: str) -> str | None:
+  """The answer a sample commits to, for majority voting: last \\boxed{} or the stripped text."""
+  boxed = rewards_lib.last_boxed(text)
+  ans = boxed if boxed is not None else text.strip()
+  return rewards_lib.normalize_answer(ans) or None
+
+
+def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mode: str = "dense",
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 1234) -> dict[str, Any]:
+  if mode not in MODES:
+    raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+  if mode != "dense" and trainer.schedule.is_dense:
+    raise ValueError(f"mode={mode!r} needs a sparse schedule; the config's is dense")
+  if mode == "sparse_lora" and trainer.lora is None:
+    raise ValueError("mode='sparse_lora' needs a LoRA (distill=true or a checkpoint with one)")
+  cfg = trainer.cfg
+  engine = trainer.engine
+  saved = (engine.attention, engine.budget_table)
+  if mode == "dense":
+    engine.set_attention(attn_lib.Dense(), None)
+  lora = trainer.lora if mode == "sparse_lora" else None
+  reqs = []
+  for i, e in enumerate(examples):
+    ids = encode_prompt(trainer.tokenizer, e, cfg.chat_template)
+    for j in range(k):
+      reqs.append(Request(ids, SamplingParams(temperature=temperature, top_p=top_p,
+                                              max_new_tokens=cfg.max_new_tokens,
+                                              seed=seed + i * k + j), (i, j)))
+  try:
+    comps = engine.generate(reqs, lora=lora)
+  finally:
+    engine.set_attention(*saved)
+  texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+  res = rewards_lib.score_batch(trainer.reward_fn, texts,
+                                [examples[c.request_id[0]].answer for c in comps],
+                                timeout_s=cfg.reward_timeout_s)
+  rewards = np.asarray(res.rewards, np.float32).reshape(len(examples), k)
+  answers = [[extract_answer(texts[i * k + j]) for j in range(k)] for i in range(len(examples))]
+  out = eval_summary(rewards.tolist(), answers, ks=sorted({1, k}))
+  out["eval/mode"] = mode
+  out["eval/samples"] = len(comps)
+  out["eval/response_len_mean"] = float(np.mean([len(c.token_ids) for c in comps]))
+  out["eval/verifier_errors"] = res.num_errors + res.num_timeouts
+  if mode != "dense":
+    batch = trainer.make_batch(comps)
+    out["eval/alpha_p5"] = probe_tail_alpha(
+        trainer.graphdef, trainer.params, lora, jnp.asarray(batch["tokens"]),
+        jnp.asarray(batch["mask"]), jnp.asarray(batch["prompt_lens"]), trainer.schedule,
+        lengths=jnp.asarray(batch["lengths"]))
+  return out
