@@ -399,6 +399,7 @@ class Trainer:
     cfg = self.cfg
     step = self.step + 1
     t0 = time.perf_counter()
+    rollout_schedule = self.schedule.name  # the ladder may switch at the end of this step
     examples = self.dataset.next_batch()
     comps = self.rollout(examples, step)
     t_roll = time.perf_counter() - t0
@@ -474,7 +475,7 @@ class Trainer:
         "time/step_s": time.perf_counter() - t0, "rollout/tokens": gen_tokens,
         "rollout/tokens_per_s": gen_tokens / max(t_roll, 1e-9),
         "compilations": self.compilations + self.engine.num_compilations,
-        "skipped_update": not all_finite, "schedule": self.schedule.name,
+        "skipped_update": not all_finite, "schedule": rollout_schedule,
     }
     for key in ("kl", "entropy", "is_weight_mean", "is_ratio_max", "is_frac_truncated",
                 "is_frac_masked"):

@@ -1,0 +1,57 @@
+"""DistillSparse inside the trainer: the LoRA cannot leak into the policy update, it does get
+trained, and the schedule ladder switches exactly when the probe tail stays above tau."""
+
+import jax
+import numpy as np
+
+from sparrow_jax.rl.config import get_train_config
+from sparrow_jax.rl.metrics import read_jsonl
+from sparrow_jax.rl.trainer import Trainer
+
+SMALL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",
+         "tensorboard=false"]
+
+
+def _trainer(tmp, *extra):
+  return Trainer(get_train_config("tiny", SMALL + [f"out_dir={tmp}"] + list(extra)), quiet=True)
+
+
+def test_policy_after_one_step_is_bitwise_identical_with_and_without_distill(tmp_path):
+  on = _trainer(tmp_path / "on", "num_steps=1", "distill=true")
+  off = _trainer(tmp_path / "off", "num_steps=1", "distill=false")
+  lora_before = [np.asarray(x) for x in jax.tree.leaves(on.lora)]
+  on.fit()
+  off.fit()
+  for a, b in zip(jax.tree.leaves(jax.device_get(on.params)),
+                  jax.tree.leaves(jax.device_get(off.params))):
+    np.testing.assert_array_equal(a, b)
+  # ... while the LoRA itself did move (B leaves start at zero).
+  lora_after = [np.asarray(x) for x in jax.tree.leaves(on.lora)]
+  assert any(not np.array_equal(x, y) for x, y in zip(lora_before, lora_after))
+  rec = read_jsonl(str(tmp_path / "on" / "metrics.jsonl"))[1]
+  assert "distill/loss" in rec and np.isfinite(rec["distill/loss"])
+
+
+def _ladder_run(tmp, tau):
+  tr = _trainer(tmp, "num_steps=4", "distill=true", "schedule=constant:3",
+                "ladder=constant:2,constant:1", "probe_every=1", "ladder_patience=2",
+                f"tau={tau}")
+  tr.fit()
+  return tr, read_jsonl(str(tmp / "metrics.jsonl"))
+
+
+def test_ladder_switches_when_the_probe_tail_stays_above_tau(tmp_path):
+  tr, recs = _ladder_run(tmp_path / "low", 0.01)  # every probe tail is >= 0.01
+  assert [recs[s]["schedule"] for s in (1, 2, 3, 4)] == ["constant-3", "constant-3",
+                                                          "constant-2", "constant-2"]
+  assert tr.schedule.budgets == (1,)  # switched twice: 3 -> 2 (after step 2) -> 1 (step 4)
+  assert recs[4]["ladder/switches"] == 2.0
+  assert tr.engine.budget_table.budgets == (1,)
+
+
+def test_ladder_does_not_switch_when_the_tail_stays_below_tau(tmp_path):
+  tau = 0.999999  # this near-random model's probe tails are ~0.9997-0.9999
+  tr, recs = _ladder_run(tmp_path / "high", tau)
+  assert all(recs[s]["schedule"] == "constant-3" for s in (1, 2, 3, 4))
+  assert recs[4]["ladder/switches"] == 0.0 and tr.schedule.budgets == (3,)
+  assert all(recs[s]["ladder/probe_tail_alpha"] < tau for s in (1, 2, 3, 4))
