@@ -8,3 +8,12 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+# Many tests build trainers/engines that compile the same programs again (new jitted closures,
+# identical HLO). A persistent compilation cache for the session turns those into cache hits.
+import tempfile  # noqa: E402
+
+_CACHE = os.environ.get("SPARROW_TEST_JAX_CACHE") or tempfile.mkdtemp(prefix="sparrow_jax_cache_")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -57,6 +57,7 @@ class TrainConfig:
   warmup_steps: int = 0
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+  adam_eps: float = 1e-8
   ppo_epochs: int = 1
   mini_batch_size: int = 0  # sequences per optimizer update; 0 = the whole batch
   micro_batch_size: int = 0  # sequences per forward/backward (gradient accumulation); 0 = mini

@@ -131,7 +131,7 @@ def make_optimizer(cfg: TrainConfig, lr: float | None = None, total_steps: int |
   else:
     sched = optax.constant_schedule(lr)
   tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
-                   optax.adamw(sched, b1=0.9, b2=0.999, eps=1e-8,
+                   optax.adamw(sched, b1=0.9, b2=0.999, eps=cfg.adam_eps,
                                weight_decay=cfg.weight_decay))
   return tx, sched
 
@@ -159,7 +159,12 @@ class Trainer:
     self.budget_table = None if self.schedule.is_dense else BudgetTable.from_any(self.schedule)
     self.graphdef, params = nnx.split(model)
     sh.maybe_initialize_distributed()
-    self.mesh = sh.make_mesh(cfg.mesh)
+    mesh_cfg = sh.parse_mesh(cfg.mesh)
+    n_mesh = int(np.prod(mesh_cfg.shape)) if mesh_cfg.is_resolved else jax.device_count()
+    if n_mesh > jax.device_count():
+      raise ValueError(f"mesh={cfg.mesh!r} needs {n_mesh} devices; {jax.device_count()} "
+                       "available")
+    self.mesh = sh.make_mesh(mesh_cfg, devices=jax.devices()[:n_mesh])
     self.param_shardings = sh.param_shardings(params, self.mesh)
     self.params = sh.shard_tree(params, self.param_shardings)
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if cfg.kl_coef > 0 else None)
@@ -429,16 +434,7 @@ class Trainer:
       full["rollout_logp"] = batch["rollout_logp"]
     if ref_logp is not None:
       full["ref_logp"] = np.asarray(ref_logp)
-    mb = cfg.mini_batch
-    upd_metrics = []
-    all_finite = True
-    for _ in range(cfg.ppo_epochs):
-      for s in range(0, cfg.batch_size, mb):
-        mbatch = sh.shard_batch({k: v[s:s + mb] for k, v in full.items()}, self.mesh)
-        self.params, self.opt_state, m = self._update(self.params, self.opt_state, mbatch)
-        m = jax.device_get(m)
-        all_finite &= bool(m["finite"])
-        upd_metrics.append(m)
+    upd_metrics, all_finite = self.apply_updates(full)
     t_update = time.perf_counter() - t2
     self.engine.set_state(self.params)
     # DistillSparse: LoRA-only update through the sparse teacher-forced forward.
@@ -503,6 +499,20 @@ class Trainer:
             f"{tail:.3f} >= tau {self.cfg.tau} for {self.cfg.ladder_patience} checks)",
             flush=True)
     return dict(self.ladder.metrics(), **{"ladder/probe_tail_alpha": tail})
+
+  def apply_updates(self, full: dict[str, np.ndarray]) -> tuple[list[dict], bool]:
+    """`ppo_epochs` passes of mini-batch updates over a prepared batch (host arrays)."""
+    cfg = self.cfg
+    mb = cfg.mini_batch
+    metrics, all_finite = [], True
+    for _ in range(cfg.ppo_epochs):
+      for s in range(0, cfg.batch_size, mb):
+        mbatch = sh.shard_batch({k: v[s:s + mb] for k, v in full.items()}, self.mesh)
+        self.params, self.opt_state, m = self._update(self.params, self.opt_state, mbatch)
+        m = jax.device_get(m)
+        all_finite &= bool(m["finite"])
+        metrics.append(m)
+    return metrics, all_finite
 
   def _opt_count(self):
     counts = [x for x in jax.tree.leaves(self.opt_state)

@@ -328,3 +328,20 @@ def test_sharded_init_and_checkpoint_resharding(sharded):
   assert sharded["restore_meta"] == {"mesh": "1x4x2"}
   assert sharded["restore_single_max_diff"] == 0.0
   assert sharded["restore_single_devices"] == [3]
+
+
+def test_trainer_grpo_update_sharded_2x4_equals_single_device(tmp_path):
+  script = os.path.join(os.path.dirname(__file__), "sharded_trainer_check.py")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True,
+                        env=env, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  res = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert res["num_devices"] == 8
+  assert res["max_param_diff"] <= 1e-5, res
+  assert res["loss_diff"] <= 1e-5, res
+  assert res["grad_norm_rel_diff"] <= 1e-5, res
+  assert res["q_spec"][0] == "fsdp"  # q_DNH [D, N, H]: D split over fsdp=4
+  assert res["q_shard"][0] * 4 == res["q_global"][0]
