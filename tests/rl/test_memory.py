@@ -120,7 +120,9 @@ def test_activation_estimate_definition():
   plan = M.plan_memory(cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=b,
                        train_seq_len=t)
   qkvo = 2 * b * t * (2 * 4 + 2 * 2) * 32 * 4
-  probs = b * 4 * t * t * 4
+  # float32 probabilities and their cotangent for one query chunk (chunks are
+  # rematerialised in the backward pass): [b, N, min(attn_chunk=256, t), t] x 2.
+  probs = 2 * b * 4 * min(256, t) * t * 4
   mlp = 2 * 3 * b * t * 128 * 4
   norms = 4 * b * t * 64 * 4
   saved = 2 * b * t * 64 * 4
