@@ -82,9 +82,9 @@ def main(argv=None) -> int:
       if isinstance(tok, ByteTokenizer):
         ids = tok.encode(text)
       elif tok.chat_template and not args.no_chat_template:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}],
-                                      add_generation_prompt=True, tokenize=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        chat = tok.apply_chat_template([{"role": "user", "content": text}],
+                                       add_generation_prompt=True, tokenize=False)
+        ids = list(tok(chat, add_special_tokens=False)["input_ids"])
       else:
         ids = tok(text)["input_ids"]
       reqs.append(Request(ids, SamplingParams(temperature=args.temperature, top_p=args.top_p,
