@@ -28,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def bench_one(model, attention, schedule, context: int, batch: int, steps: int, repeats: int,
-              page_size: int = 16):
+def _setup(model, attention, schedule, context: int, batch: int, steps: int, repeats: int,
+           page_size: int = 16):
+  """An engine whose `batch` slots all hold the same `context`-token prompt (shared pages)."""
   from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine
   from sparrow_jax.models.kv_cache import pages_for
 
@@ -43,45 +44,62 @@ def bench_one(model, attention, schedule, context: int, batch: int, steps: int, 
   eng = GenerationEngine(model, cfg, attention=attention, schedule=schedule)
   rng = np.random.default_rng(0)
   prompt = rng.integers(3, model.cfg.vocab_size, context).astype(np.int32)
-  mp = cfg.max_pages_per_seq
-  rows = np.zeros((batch, mp), np.int32)
+  rows = np.zeros((batch, cfg.max_pages_per_seq), np.int32)
   shared = np.arange(1, 1 + prompt_pages)
   for b in range(batch):
     own = 1 + prompt_pages + b * gen_pages + np.arange(gen_pages)
     rows[b, :prompt_pages + gen_pages] = np.concatenate([shared, own])
   # Prefill the prompt once into slot 0 (its pages are the shared ones).
-  n_t = prompt_pages * page_size
-  toks = np.zeros((1, n_t), np.int32)
+  toks = np.zeros((1, prompt_pages * page_size), np.int32)
   toks[0, :context] = prompt
-  seeds, temps, tps, tks = (jnp.zeros((1,), jnp.int32), jnp.zeros((1,)), jnp.ones((1,)),
-                            jnp.zeros((1,), jnp.int32))
+  one = (jnp.zeros((1,), jnp.int32), jnp.zeros((1,)), jnp.ones((1,)), jnp.zeros((1,), jnp.int32))
   t0 = time.perf_counter()
   eng.cache, tok, _, _ = eng._prefill_fn(eng.state, eng.cache, jnp.asarray(toks),
                                          jnp.asarray([context], jnp.int32),
                                          jnp.zeros((1,), jnp.int32), jnp.asarray(rows[:1]),
-                                         seeds, temps, tps, tks, None)
+                                         *one, None)
   jax.block_until_ready(tok)
   prefill_s = time.perf_counter() - t0
   eng.cache = eng.cache.replace(page_table=jnp.asarray(rows),
                                 lengths=jnp.full((batch,), context, jnp.int32))
-  active = jnp.ones((batch,), bool)
   table = (jnp.asarray(eng.budget_table.budgets, jnp.int32) if eng.budget_table is not None
            else jnp.zeros((1,), jnp.int32))
-  b_seeds = jnp.arange(batch, dtype=jnp.int32)
-  b_temps, b_tps, b_tks = jnp.zeros((batch,)), jnp.ones((batch,)), jnp.zeros((batch,), jnp.int32)
-  cur = jnp.full((batch,), int(tok[0]), jnp.int32)
-  times = []
-  for r in range(repeats + 1):
-    t0 = time.perf_counter()
-    eng.cache, outs = eng._decode_fn(eng.state, eng.cache, cur, active, b_seeds, b_temps, b_tps,
-                                     b_tks, table, None)
+  params = (jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,)), jnp.ones((batch,)),
+            jnp.zeros((batch,), jnp.int32))
+  state = {"cur": jnp.full((batch,), int(tok[0]), jnp.int32)}
+
+  def chunk():
+    eng.cache, outs = eng._decode_fn(eng.state, eng.cache, state["cur"],
+                                     jnp.ones((batch,), bool), *params, table, None)
     jax.block_until_ready(outs[0])
-    if r:  # the first chunk includes compilation
-      times.append(time.perf_counter() - t0)
-    cur = outs[0][-1]
-  med = statistics.median(times)
-  return {"context": context, "batch": batch, "prefill_s": prefill_s,
-          "step_ms": 1e3 * med / steps, "tok_s": batch * steps / med}
+    state["cur"] = outs[0][-1]
+
+  return chunk, prefill_s
+
+
+def bench_pair(model, sparse, sched, context: int, batch: int, steps: int, repeats: int):
+  """Dense and sparse engines decoding the same context, timed in alternation (A B A B ...)
+  so that load on a shared machine hits both alike; medians of `repeats` chunks each."""
+  runs = {"dense": _setup(model, attn_lib_dense(), None, context, batch, steps, repeats),
+          "sparse": _setup(model, sparse, sched, context, batch, steps, repeats)}
+  times = {k: [] for k in runs}
+  for r in range(repeats + 1):
+    for name, (chunk, _) in runs.items():
+      t0 = time.perf_counter()
+      chunk()
+      if r:  # the first chunk includes compilation
+        times[name].append(time.perf_counter() - t0)
+  out = {}
+  for name, ts in times.items():
+    med = statistics.median(ts)
+    out[name] = {"step_ms": 1e3 * med / steps, "tok_s": batch * steps / med,
+                 "prefill_s": runs[name][1]}
+  return out
+
+
+def attn_lib_dense():
+  from sparrow_jax.models import attention as attn_lib
+  return attn_lib.Dense()
 
 
 def main(argv=None) -> int:
@@ -122,8 +140,8 @@ def main(argv=None) -> int:
   print("|---|---|---|---|---|---|---|")
   for ctx in contexts:
     for b in batches:
-      d = bench_one(model, attn_lib.Dense(), None, ctx, b, args.steps, args.repeats)
-      s = bench_one(model, sparse, sched, ctx, b, args.steps, args.repeats)
+      res = bench_pair(model, sparse, sched, ctx, b, args.steps, args.repeats)
+      d, s = res["dense"], res["sparse"]
       print(f"| {ctx} | {b} | {d['tok_s']:.1f} | {s['tok_s']:.1f} | "
             f"{s['tok_s'] / d['tok_s']:.2f}x | {d['step_ms']:.1f} | {s['step_ms']:.1f} |",
             flush=True)
