@@ -137,6 +137,7 @@ class _Slot:
   topk_lps: list
   length: int  # tokens held in the cache (host mirror of cache.lengths)
   pending: int  # last sampled token, not yet in the cache
+  stop_ids: frozenset = frozenset()  # stop ids + EOS (unless ignore_eos), fixed per request
 
 
 class GenerationEngine:
@@ -264,10 +265,7 @@ class GenerationEngine:
       slot.topk_ids.append(np.asarray(tk_ids))
       slot.topk_lps.append(np.asarray(tk_lps))
     sp = slot.req.sampling
-    stop = set(sp.stop_token_ids)
-    if not sp.ignore_eos:
-      stop.update(self.model_config.eos_token_ids)
-    if int(tok) in stop:
+    if int(tok) in slot.stop_ids:
       return "stop"
     if len(slot.tokens) >= sp.max_new_tokens:
       return "length"
@@ -317,7 +315,10 @@ class GenerationEngine:
         if slots[i] is not None or not queue:
           continue
         req = queue[0]
-        slot = _Slot(req, i, [], [], [], [], [], len(req.prompt_ids), -1)
+        stop = set(req.sampling.stop_token_ids)
+        if not req.sampling.ignore_eos:
+          stop.update(self.model_config.eos_token_ids)
+        slot = _Slot(req, i, [], [], [], [], [], len(req.prompt_ids), -1, frozenset(stop))
         if not self._ensure_pages(slot, len(req.prompt_ids) + cfg.decode_chunk):
           break
         queue.popleft()
