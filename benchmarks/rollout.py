@@ -31,7 +31,7 @@ import numpy as np
 def _setup(model, attention, schedule, context: int, batch: int, steps: int, repeats: int,
            page_size: int = 16):
   """An engine whose `batch` slots all hold the same `context`-token prompt (shared pages)."""
-  from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
   from sparrow_jax.models.kv_cache import pages_for
 
   extra = steps * (repeats + 1)
@@ -62,7 +62,7 @@ def _setup(model, attention, schedule, context: int, batch: int, steps: int, rep
   prefill_s = time.perf_counter() - t0
   eng.cache = eng.cache.replace(page_table=jnp.asarray(rows),
                                 lengths=jnp.full((batch,), context, jnp.int32))
-  table = (jnp.asarray(eng.budget_table.budgets, jnp.int32) if eng.budget_table is not None
+  table = (jnp.asarray(eng.schedule.budgets, jnp.int32) if eng.schedule is not None
            else jnp.zeros((1,), jnp.int32))
   params = (jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,)), jnp.ones((batch,)),
             jnp.zeros((batch,), jnp.int32))

@@ -8,7 +8,7 @@
 
 Trajectories come from the sparse actor at --gen-budget pages (default: the largest budget;
 0 = dense decode); every budget is scored on those same tokens (paired comparison; why the
-largest: see `sparrow_jax/schedule/calibrate.py`). Writes into --out: schedule.json (a
+largest: see `sparrow_jax/calibration/calibrate.py`). Writes into --out: schedule.json (a
 SparsitySchedule), alpha_table.csv (bin, budget, count, mean, p1, p5, p10, p50, frac >= 0.999;
 readable by experiments/cost_model.py --alpha-table), schedule_alpha.csv (alpha re-measured
 with the chosen schedule and raised where it fell below tau, unless --no-verify), summary.json
@@ -121,7 +121,7 @@ def main(argv=None):
 def run(argv=None):
   """(exit code, CalibrationResult or None)."""
   args = build_parser().parse_args(argv)
-  from sparrow_jax.schedule import calibrate as cal
+  from sparrow_jax.calibration import calibrate as cal
 
   if args.page_size & (args.page_size - 1):
     print(f"error: --page-size {args.page_size}: expected a power of two", file=sys.stderr)

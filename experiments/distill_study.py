@@ -176,7 +176,7 @@ class Generator:
   """Sparse-actor rollouts of a prompt list with the paged-KV engine (one compile)."""
 
   def __init__(self, model, schedule, attention, args, t_pad: int, num_slots: int):
-    from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine
+    from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
 
     self.args, self.t_pad = args, t_pad
     self.engine = GenerationEngine(
@@ -186,8 +186,8 @@ class Generator:
 
   def __call__(self, prompts, lora, seed: int) -> Rollouts:
     import numpy as np
-    from sparrow_jax.rl.rollout import Request
-    from sparrow_jax.rl.sampling import SamplingParams
+    from sparrow_jax.engine.engine import Request
+    from sparrow_jax.engine.sampling import SamplingParams
 
     reqs = [Request(p, SamplingParams(temperature=1.0, max_new_tokens=self.args.max_new_tokens,
                                       ignore_eos=self.args.ignore_eos, seed=seed * 1009 + i), i)
@@ -235,6 +235,7 @@ def run_variant(kind, mode, *, graphdef, state, lora0, train0, train_prompts, pr
   import jax
   import jax.numpy as jnp
   from sparrow_jax.rl import distill
+  from sparrow_jax.schedule.schedule import teacher_forced_budgets
 
   opt = distill.default_optimizer(args.lr)
   step_fn = distill.make_distill_step(graphdef, attention, opt,
@@ -242,7 +243,7 @@ def run_variant(kind, mode, *, graphdef, state, lora0, train0, train_prompts, pr
   lora = jax.tree.map(jnp.copy, lora0)  # the step donates its LoRA
   dstate = distill.DistillState.create(lora, opt)
   b, t = train0.tokens.shape
-  budgets = distill.schedule_budgets(schedule, b, t)
+  budgets = teacher_forced_budgets(schedule, t, b)
 
   def batch_of(ro: Rollouts):
     tokens, lengths = jnp.asarray(ro.tokens), jnp.asarray(ro.lengths)

@@ -45,8 +45,8 @@ def main(argv=None) -> int:
   from sparrow_jax.models import attention as attn_lib
   from sparrow_jax.models.config import get_config
   from sparrow_jax.models.decoder import init_model
-  from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine, Request
-  from sparrow_jax.rl.sampling import SamplingParams
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+  from sparrow_jax.engine.sampling import SamplingParams
   from sparrow_jax.rl.tokenizers import ByteTokenizer
 
   try:

@@ -7,7 +7,7 @@ The model generates its own trajectories (sparse actor at the largest budget, sa
 --temperature, EOS ignored so the text reaches --max-len tokens) from the first --num-prompts
 prompts of experiments/data/study_prompts.jsonl; every fixed budget is then scored against the
 dense policy with the exact acceptance rate alpha_t (calibration library,
-`sparrow_jax/schedule/calibrate.py`). Reported, as in the paper's §3.1: the share of tokens with
+`sparrow_jax/calibration/calibrate.py`). Reported, as in the paper's §3.1: the share of tokens with
 alpha > 0.999, mean vs p5 per bin, Pearson r of raw alpha and of binned p5 against position,
 the Beta fit of the tail with its KS statistic, and the schedule that holds p5 >= tau
 (re-measured). Writes <out>/mismatch_study.md, <out>/mismatch_study.json (every number),
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments._cli import int_list, positive  # noqa: E402
 
-from sparrow_jax.schedule import calibrate as cal  # noqa: E402
+from sparrow_jax.calibration import calibrate as cal  # noqa: E402
 from sparrow_jax.schedule import mismatch as mm  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))

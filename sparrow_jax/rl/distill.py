@@ -46,7 +46,6 @@ from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.lora import lora_norms
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl.logprobs import logits_to_stats
-from sparrow_jax.rl.rollout import BudgetTable, teacher_forced_budgets
 
 KINDS = ("k3", "low_var_kl", "reverse_kl_full")
 _LOG_RATIO_CLAMP = 20.0
@@ -100,14 +99,6 @@ def dense_logits_of(graphdef, state, tokens, *, lengths=None) -> jax.Array:
   return model(tokens, lengths=lengths, attention=attn_lib.Dense())
 
 
-def schedule_budgets(schedule, batch: int, seq_len: int) -> jax.Array:
-  """[B, T] budgets of the teacher-forced forward under a schedule (query t holds t+1 tokens).
-
-  `schedule`: a SparsitySchedule, a BudgetTable or a constant int budget.
-  """
-  return teacher_forced_budgets(BudgetTable.from_any(schedule), seq_len, batch)
-
-
 def _check_kind(kind: str) -> None:
   if kind not in KINDS:
     raise ValueError(f"distill kind={kind!r}: expected one of {KINDS}")
@@ -131,7 +122,7 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
     old_dense_logp: [B, T] dense log-probs of the tokens before/after the GRPO update (the
       teacher; no gradient), aligned like `logprobs_from_logits`.
     attention: the `BlockSparse` spec of the rollout (static); budgets: int32 [B, T] page
-      budgets per query (`schedule_budgets`); prompt_lengths / lengths: as `Decoder.__call__`.
+      budgets per query (`schedule.teacher_forced_budgets`); prompt_lengths / lengths: as `Decoder.__call__`.
     kind: "k3" (= "low_var_kl") on sampled tokens, or "reverse_kl_full".
     coef, pg_coef: weights of the KL and policy-gradient terms.
     advantages: [B] or [B, T] (needed when pg_coef > 0); rollout_logp: [B, T] log-probs of the

@@ -13,8 +13,8 @@ from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
 from sparrow_jax.rl.eval_metrics import eval_summary
-from sparrow_jax.rl.rollout import Request
-from sparrow_jax.rl.sampling import SamplingParams
+from sparrow_jax.engine.engine import Request
+from sparrow_jax.engine.sampling import SamplingParams
 from sparrow_jax.rl.switching import probe_tail_alpha
 from sparrow_jax.rl.trainer import encode_prompt
 
@@ -38,7 +38,7 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
     raise ValueError("mode='sparse_lora' needs a LoRA (distill=true or a checkpoint with one)")
   cfg = trainer.cfg
   engine = trainer.engine
-  saved = (engine.attention, engine.budget_table)
+  saved = (engine.attention, engine.schedule)
   if mode == "dense":
     engine.set_attention(attn_lib.Dense(), None)
   lora = trainer.lora if mode == "sparse_lora" else None

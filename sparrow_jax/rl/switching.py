@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.models import attention as attn_lib
-from sparrow_jax.rl.distill import schedule_budgets
+from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
 from sparrow_jax.schedule import mismatch
 from sparrow_jax.schedule.schedule import attention_spec, SparsitySchedule, max_budget
 
@@ -162,7 +162,7 @@ def probe_alpha(graphdef, state, lora, tokens, schedule: SparsitySchedule, *,
   if schedule.page_size != attention.page_size:
     raise ValueError(f"schedule {schedule.name!r} page_size={schedule.page_size}: expected the "
                      f"attention spec's page_size={attention.page_size}")
-  budgets = schedule_budgets(schedule, b, t)
+  budgets = teacher_forced_budgets(as_schedule(schedule), t, b)
   return np.asarray(_probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths,
                                  lengths, jnp.float32(temperature), attention=attention))
 

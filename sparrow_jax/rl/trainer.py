@@ -39,12 +39,12 @@ from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
 from sparrow_jax.rl.config import TrainConfig
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.rl.metrics import MetricsLogger
-from sparrow_jax.rl.rollout import (BudgetTable, EngineConfig, GenerationEngine, Request,
-                                    teacher_forced_budgets)
-from sparrow_jax.rl.sampling import SamplingParams
+from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+from sparrow_jax.engine.sampling import SamplingParams
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule import mismatch, presets
-from sparrow_jax.schedule.schedule import SparsitySchedule, attention_spec, parse_schedule
+from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec, parse_schedule,
+                                           teacher_forced_budgets)
 
 
 class TrainingStopped(RuntimeError):
@@ -174,7 +174,6 @@ class Trainer:
     self.model_cfg: ModelConfig = model.cfg
     self.schedule = build_schedule(cfg)
     self.attention = attention_spec(self.schedule, backend=cfg.attention_backend)
-    self.budget_table = None if self.schedule.is_dense else BudgetTable.from_any(self.schedule)
     self.graphdef, params = nnx.split(model)
     sh.maybe_initialize_distributed()
     mesh_cfg = sh.parse_mesh(cfg.mesh)
@@ -191,7 +190,7 @@ class Trainer:
         model, EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len,
                             page_size=cfg.page_size, decode_chunk=cfg.decode_chunk,
                             logprobs_topk=cfg.monitor_topk),
-        attention=self.attention, schedule=self.budget_table)
+        attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule)
     self.tx, self.lr_schedule = make_optimizer(cfg)
     self.opt_state = jax.jit(self.tx.init)(self.params)
     examples = build_examples(cfg)
@@ -304,8 +303,7 @@ class Trainer:
   def _switch_schedule(self, schedule: SparsitySchedule) -> None:
     self.schedule = schedule
     self.attention = attention_spec(schedule, backend=self.cfg.attention_backend)
-    self.budget_table = BudgetTable.from_any(schedule)
-    self.engine.set_attention(self.attention, self.budget_table)
+    self.engine.set_attention(self.attention, None if schedule.is_dense else schedule)
     if self.cfg.distill:
       self._build_distill()
 
@@ -461,7 +459,7 @@ class Trainer:
       t3 = time.perf_counter()
       b, t = batch["tokens"].shape
       dbatch = dict(tokens=batch["tokens"], mask=mask, old_logp=np.asarray(old_logp),
-                    budgets=np.asarray(teacher_forced_budgets(self.budget_table, t, b)),
+                    budgets=np.asarray(teacher_forced_budgets(self.schedule, t, b)),
                     prompt_lengths=batch["prompt_lens"], lengths=batch["lengths"])
       self.lora, self.lora_opt_state, dm = self._distill_step(
           self.lora, self.lora_opt_state, self.params,

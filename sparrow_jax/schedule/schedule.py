@@ -204,16 +204,41 @@ def pages_held(schedule: SparsitySchedule, positions) -> jnp.ndarray:
   return (pos + schedule.page_size - 1) // schedule.page_size
 
 
-def budget_pages(schedule: SparsitySchedule, positions) -> jnp.ndarray:
+def budget_pages(schedule: SparsitySchedule, positions, table=None) -> jnp.ndarray:
   """int32 top-k page budget (reserved pages excluded) per position, same shape as positions.
 
-  Pure: `schedule` is static, `positions` may be traced (any shape); no Python control flow on
-  values, so it works under jit and vmap. For a dense schedule the budget is every page held.
+  THE budget lookup: the generation engine, the teacher-forced sparse forward, DistillSparse
+  and calibration all call it. Pure: `schedule` is static, `positions` may be traced (any
+  shape); no Python control flow on values, so it works under jit and vmap. For a dense
+  schedule the budget is every page held.
+
+  `table`: optional traced int32 `[num_bins]` copy of `schedule.budgets`. The engine passes
+  its device copy so that swapping in a schedule with the same number of bins changes a
+  traced value instead of a compiled constant (no recompilation).
   """
   if schedule.is_dense:
     return pages_held(schedule, positions)
-  table = jnp.asarray(schedule.budgets, dtype=jnp.int32)  # [num_bins]
-  return table[position_bin(schedule, positions)]
+  if table is None:
+    table = jnp.asarray(schedule.budgets, dtype=jnp.int32)  # [num_bins]
+  return jnp.asarray(table, jnp.int32)[position_bin(schedule, positions)]
+
+
+def teacher_forced_budgets(schedule: SparsitySchedule, seq_len: int, batch: int,
+                           table=None) -> jnp.ndarray:
+  """int32 `[batch, seq_len]` budgets of a teacher-forced sparse forward: the query at index t
+  holds t + 1 tokens, exactly as decode step t does (`budget_pages` at position t + 1)."""
+  held = jnp.arange(1, seq_len + 1, dtype=jnp.int32)  # [T]
+  return jnp.broadcast_to(budget_pages(schedule, held, table), (batch, seq_len))
+
+
+def as_schedule(spec, *, page_size: int = 16) -> SparsitySchedule:
+  """A `SparsitySchedule` from a schedule or a constant int budget (one unbounded bin)."""
+  if isinstance(spec, SparsitySchedule):
+    return spec
+  if _is_int(spec):
+    from sparrow_jax.schedule import presets  # local import: presets imports this module
+    return presets.constant(int(spec), page_size=page_size, bin_size=1 << 30)
+  raise ValueError(f"schedule {spec!r}: expected a SparsitySchedule or an int page budget")
 
 
 def pages_attended(schedule: SparsitySchedule, positions) -> jnp.ndarray:

@@ -120,8 +120,8 @@ def test_zero_b_is_exact_and_nonzero_b_changes_logits():
 def test_zero_b_rollout_equals_sparse_rollout():
   """The rollout path (paged prefill + block-sparse decode) with a fresh adapter reproduces
   the sparse actor's tokens and log-probs bit for bit."""
-  from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine, Request
-  from sparrow_jax.rl.sampling import SamplingParams
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+  from sparrow_jax.engine.sampling import SamplingParams
 
   cfg = get_config("tiny", num_layers=4)
   model = init_model(cfg, seed=1)

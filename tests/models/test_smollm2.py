@@ -107,8 +107,8 @@ def test_greedy_continuation_matches_transformers(smollm2):
   print(f"\nSmolLM2 greedy: {tok.decode(ours)!r}")
   assert ours == ref, f"ours {tok.decode(ours)!r} vs transformers {tok.decode(ref)!r}"
 
-  from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine, Request
-  from sparrow_jax.rl.sampling import SamplingParams
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+  from sparrow_jax.engine.sampling import SamplingParams
   engine = GenerationEngine(model, EngineConfig(num_slots=2, max_seq_len=256, decode_chunk=16))
   params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
   (done,) = engine.generate([Request(prompt_ids=ids, sampling=params)])

@@ -15,9 +15,15 @@ from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import init_model
 from sparrow_jax.models.kv_cache import PagedKVCache, page_table_row
-from sparrow_jax.rl.rollout import (BudgetTable, EngineConfig, GenerationEngine, Request,
-                                    teacher_forced_budgets)
-from sparrow_jax.rl.sampling import SamplingParams
+from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+from sparrow_jax.schedule.schedule import SparsitySchedule, budget_pages, teacher_forced_budgets
+
+
+def BudgetTable(budgets, bin_size):
+  """A bare budget table: per-bin budgets keyed by tokens held."""
+  return SparsitySchedule(name="test", budgets=tuple(budgets), bin_size=bin_size)
+
+from sparrow_jax.engine.sampling import SamplingParams
 
 
 def _incremental_logits(model, spec, table, tokens, prompt_len):
@@ -36,7 +42,7 @@ def _incremental_logits(model, spec, table, tokens, prompt_len):
 
   @jax.jit
   def decode(st, cache, tok):
-    budgets = table.lookup(budgets_tab, cache.lengths + 1)
+    budgets = budget_pages(table, cache.lengths + 1, budgets_tab)
     return nnx.merge(graphdef, st).decode(cache, tok, jnp.ones((1,), bool), attention=spec,
                                           budgets=budgets)
 
@@ -98,7 +104,7 @@ def test_engine_sparse_generation_and_budget_changes_do_not_recompile():
       eng = e
     else:  # same engine, new budget table: swap it in and check nothing recompiles
       n = eng.num_compilations
-      eng.budget_table = BudgetTable(budgets, 32)
+      eng.schedule = BudgetTable(budgets, 32)
     res = eng.generate([Request(p, sp) for p in prompts])
     outs[budgets] = [list(o.token_ids) for o in res]
     lps[budgets] = np.concatenate([o.logprobs for o in res])

@@ -12,6 +12,7 @@ from sparrow_jax.models.lora import LoRAConfig, init_lora, lora_norms
 from sparrow_jax.rl import distill
 from sparrow_jax.rl.switching import probe_tail_alpha
 from sparrow_jax.schedule.presets import constant
+from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
 from tests.rl.sparse_setup import sample_sparse_actor, sharp_tiny, sparse_spec
 
 B, T, P = 2, 96, 16  # 6 pages: 1 selected + 1 bos + 2 recent leaves 2 pages out
@@ -28,7 +29,7 @@ def setup():
   old_logp = distill.logprobs_from_logits(dense_logits, tokens)
   return dict(cfg=cfg, graphdef=graphdef, state=state, lora=lora, tokens=tokens, mask=mask,
               old_logp=old_logp, dense_logits=dense_logits,
-              budgets=distill.schedule_budgets(1, B, T))
+              budgets=teacher_forced_budgets(as_schedule(1), T, B))
 
 
 def _perturbed(lora, key, std=0.05):
@@ -145,7 +146,7 @@ def test_p5_alpha_rises_with_distillation():
   dense = jax.jit(lambda st, tk: distill.dense_logits_of(graphdef, st, tk))
   old_logp = distill.logprobs_from_logits(dense(state, tokens), tokens)
   batch = dict(tokens=tokens, mask=jnp.asarray(mask), old_logp=old_logp,
-               budgets=distill.schedule_budgets(schedule, b, t),
+               budgets=teacher_forced_budgets(schedule, t, b),
                prompt_lengths=jnp.full((b,), p, jnp.int32))
   state_before = jax.tree.map(np.array, state)
   opt = distill.default_optimizer(1e-3)

@@ -46,7 +46,7 @@ def test_ladder_switches_when_the_probe_tail_stays_above_tau(tmp_path):
                                                           "constant-2", "constant-2"]
   assert tr.schedule.budgets == (1,)  # switched twice: 3 -> 2 (after step 2) -> 1 (step 4)
   assert recs[4]["ladder/switches"] == 2.0
-  assert tr.engine.budget_table.budgets == (1,)
+  assert tr.engine.schedule.budgets == (1,)
 
 
 def test_ladder_does_not_switch_when_the_tail_stays_below_tau(tmp_path):

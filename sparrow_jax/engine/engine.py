@@ -34,7 +34,8 @@ from flax import nnx
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.models.kv_cache import PageAllocator, PagedKVCache, page_table_row, pages_for
-from sparrow_jax.rl.sampling import SamplingParams, sample_tokens, topk_logprobs
+from sparrow_jax.engine.sampling import SamplingParams, sample_tokens, topk_logprobs
+from sparrow_jax.schedule.schedule import SparsitySchedule, as_schedule, budget_pages
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -92,36 +93,6 @@ class Completion:
   topk_logprobs: np.ndarray | None = None  # [n, k] float32
 
 
-@dataclasses.dataclass(frozen=True)
-class BudgetTable:
-  """Per-bin page budgets keyed by tokens held (`n // bin_size`, last bin unbounded)."""
-
-  budgets: tuple[int, ...]
-  bin_size: int
-
-  @classmethod
-  def from_any(cls, schedule) -> "BudgetTable | None":
-    if schedule is None:
-      return None
-    if isinstance(schedule, BudgetTable):
-      return schedule
-    if isinstance(schedule, int):
-      return cls((int(schedule),), 1 << 30)
-    return cls(tuple(int(b) for b in schedule.budgets), int(schedule.bin_size))
-
-  def lookup(self, table, tokens_held):
-    """Traced lookup; `table` is the device copy of `budgets`."""
-    idx = jnp.minimum(tokens_held // self.bin_size, table.shape[0] - 1)
-    return table[idx].astype(jnp.int32)
-
-
-def teacher_forced_budgets(table: BudgetTable, seq_len: int, batch: int):
-  """`[B, T]` budgets of the teacher-forced sparse forward (query t holds t+1 tokens)."""
-  held = jnp.arange(1, seq_len + 1, dtype=jnp.int32)
-  b = table.lookup(jnp.asarray(table.budgets, jnp.int32), held)
-  return jnp.broadcast_to(b, (batch, seq_len))
-
-
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -147,14 +118,7 @@ class GenerationEngine:
                attention: attn_lib.AttentionSpec | None = None, schedule=None):
     self.config = config or EngineConfig()
     self.attention = attention if attention is not None else attn_lib.Dense()
-    if isinstance(self.attention, attn_lib.BlockSparse) and schedule is None:
-      schedule = self.attention.max_budget
-    self.budget_table = BudgetTable.from_any(schedule)
-    if self.budget_table is not None and isinstance(self.attention, attn_lib.BlockSparse):
-      if max(self.budget_table.budgets) > self.attention.max_budget:
-        raise ValueError(
-            f"schedule budget {max(self.budget_table.budgets)} exceeds the attention spec's "
-            f"max_budget={self.attention.max_budget}")
+    self.schedule = self._as_schedule(schedule)
     self.model_config = model.cfg
     cfg = self.config
     if cfg.max_seq_len > model.cfg.max_position_embeddings:
@@ -195,8 +159,8 @@ class GenerationEngine:
     def step(carry, _):
       cache, tok = carry
       budgets = None
-      if self.budget_table is not None:
-        budgets = self.budget_table.lookup(table, cache.lengths + 1)
+      if self.schedule is not None:
+        budgets = budget_pages(self.schedule, cache.lengths + 1, table)
       cache, logits = model.decode(cache, tok, active, attention=self.attention,
                                    budgets=budgets, lora=lora)
       new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks)
@@ -215,15 +179,36 @@ class GenerationEngine:
   def set_attention(self, attention: attn_lib.AttentionSpec, schedule=None) -> None:
     """Switch schedule/strategy. Budgets are traced, so a new table alone never recompiles;
     a new static spec (e.g. a larger max_budget) retraces the decode step once."""
-    table = BudgetTable.from_any(schedule)
-    if attention != self.attention:
-      if (isinstance(attention, attn_lib.BlockSparse)
-          and attention.landmark != self.cache.landmark_kind):
-        raise ValueError(f"cannot switch to {attention.landmark!r} landmarks: the cache keeps "
-                         f"{self.cache.landmark_kind!r}")
-      self.attention = attention
+    if (isinstance(attention, attn_lib.BlockSparse)
+        and attention.landmark != self.cache.landmark_kind):
+      raise ValueError(f"cannot switch to {attention.landmark!r} landmarks: the cache keeps "
+                       f"{self.cache.landmark_kind!r}")
+    old_attention, old_schedule = self.attention, self.schedule
+    self.attention = attention
+    try:
+      self.schedule = self._as_schedule(schedule)
+    except ValueError:
+      self.attention = old_attention
+      raise
+    # The bin width and the number of bins are static in the lookup; the budgets are traced.
+    key = lambda sch: None if sch is None else (sch.bin_size, sch.num_bins)
+    if attention != old_attention or key(self.schedule) != key(old_schedule):
       self._decode_fn = jax.jit(self._decode_impl, donate_argnums=(1,))
-    self.budget_table = table
+
+  def _as_schedule(self, schedule) -> SparsitySchedule | None:
+    """The budget schedule of block-sparse decoding (None for dense attention)."""
+    if not isinstance(self.attention, attn_lib.BlockSparse):
+      return None
+    if schedule is None:
+      schedule = self.attention.max_budget
+    schedule = as_schedule(schedule, page_size=self.attention.page_size)
+    if schedule.is_dense:
+      raise ValueError(f"schedule {schedule.name!r} is dense but the attention is BlockSparse")
+    if max(schedule.budgets) > self.attention.max_budget:
+      raise ValueError(
+          f"schedule budget {max(schedule.budgets)} exceeds the attention spec's "
+          f"max_budget={self.attention.max_budget}")
+    return schedule
 
   def set_state(self, state) -> None:
     """Swap in new policy parameters (same structure): no recompilation."""
@@ -304,8 +289,8 @@ class GenerationEngine:
     queue = collections.deque(requests)
     slots: list[_Slot | None] = [None] * cfg.num_slots
     done: dict[int, Completion] = {}
-    table = (jnp.asarray(self.budget_table.budgets, jnp.int32)
-             if self.budget_table is not None else jnp.zeros((1,), jnp.int32))
+    table = (jnp.asarray(self.schedule.budgets, jnp.int32)
+             if self.schedule is not None else jnp.zeros((1,), jnp.int32))
     page_table = np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32)
     t0 = time.perf_counter()
     while queue or any(s is not None for s in slots):

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparrow_jax.rl.sampling import sample_tokens, topk_logprobs
+from sparrow_jax.engine.sampling import sample_tokens, topk_logprobs
 
 
 def _np_allowed(logits, temp, top_p, top_k):

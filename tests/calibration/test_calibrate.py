@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from sparrow_jax.rl.logprobs import token_logprobs
-from sparrow_jax.rl.rollout import BudgetTable, teacher_forced_budgets
-from sparrow_jax.schedule import calibrate as cal
+from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
+from sparrow_jax.calibration import calibrate as cal
 from sparrow_jax.schedule.schedule import SparsitySchedule, schedule_from_p5
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -86,7 +86,7 @@ def test_calibration_end_to_end_resume_and_schedule(tmp_path, prompts_file, monk
   real_measure = cal.TeacherForced.measure
 
   def counting(self, traj, dense_path, table, **kw):
-    calls.append(tuple(BudgetTable.from_any(table).budgets))
+    calls.append(tuple(as_schedule(table).budgets))
     if calls[-1] == (4,) and interrupt[0]:
       raise KeyboardInterrupt  # simulated Ctrl-C while budget 4 is being measured
     return real_measure(self, traj, dense_path, table, **kw)
@@ -183,7 +183,7 @@ def test_alpha_alignment_with_the_rollout(tmp_path, prompts_file):
   tokens = np.zeros((traj.num, tp), np.int32)
   tokens[:, :traj.tokens.shape[1]] = traj.tokens
   stats = token_logprobs(model, tokens, lengths=traj.lengths, attention=cfg.attention(1),
-                         budgets=teacher_forced_budgets(BudgetTable.from_any(1), tp, traj.num),
+                         budgets=teacher_forced_budgets(as_schedule(1), tp, traj.num),
                          prompt_lengths=traj.prompt_lengths)
   logp = np.asarray(stats.logp)
   for i in range(traj.num):

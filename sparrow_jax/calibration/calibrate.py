@@ -65,7 +65,7 @@ from flax import nnx
 
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.schedule import mismatch as mm
-from sparrow_jax.schedule.calibrate_inputs import (  # noqa: F401  (re-exported)
+from sparrow_jax.calibration.calibrate_inputs import (  # noqa: F401  (re-exported)
     bundled_smollm2, build_model, encode_prompts, load_prompts)
 from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec, describe,
                                            schedule_from_p5)
@@ -201,8 +201,8 @@ def generate_trajectories(model, prompt_ids: Sequence[Sequence[int]], cfg: Calib
   """Sample `num_samples` completions per prompt with the sparse actor at `cfg.actor_budget`."""
   from tqdm.auto import tqdm
 
-  from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine, Request
-  from sparrow_jax.rl.sampling import SamplingParams
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+  from sparrow_jax.engine.sampling import SamplingParams
 
   if not prompt_ids:
     raise ValueError("generate_trajectories: no prompts")
@@ -351,12 +351,12 @@ class TeacherForced:
 
   def measure(self, traj: Trajectories, dense_path: str, table, *, desc: str = "sparse",
               progress: bool = True) -> AlphaSample:
-    """alpha_t of every generated token under a budget table (int, schedule or BudgetTable)."""
+    """alpha_t of every generated token under a schedule (or an int: one constant budget)."""
     from tqdm.auto import tqdm
 
-    from sparrow_jax.rl.rollout import BudgetTable, teacher_forced_budgets
+    from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
 
-    table = BudgetTable.from_any(table)
+    table = as_schedule(table, page_size=self.spec.page_size)
     if max(table.budgets) > self.spec.max_budget:
       raise ValueError(f"budget {max(table.budgets)} exceeds the compiled max_budget="
                        f"{self.spec.max_budget}")

@@ -7,8 +7,8 @@ import pytest
 
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import init_model
-from sparrow_jax.rl.rollout import EngineConfig, GenerationEngine, Request
-from sparrow_jax.rl.sampling import SamplingParams
+from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+from sparrow_jax.engine.sampling import SamplingParams
 
 CFG = get_config("tiny", eos_token_ids=())  # no EOS: lengths are deterministic
 
