@@ -1,22 +1,43 @@
-"""Generation engine: paged KV cache, batched prefill, chunked jitted decode, continuous batching.
+"""Generation engine: memory-sized paged KV pool, continuous batching with recompute
+preemption, chunked jitted decode, rollouts sharded over devices.
 
-A fixed number of sequence *slots* share one pool of KV pages. Each loop iteration
+Each device of the rollout mesh (a *shard*) runs `num_slots` sequence slots over its own pool
+of KV pages; requests wait in one queue and go to whichever shard has a free slot and pages
+(`scheduler.py`). One loop iteration
 
-1. admits queued requests into free slots (pages for the prompt and the next decode chunk
-   are taken from the allocator) and prefills them together in one padded batch;
-2. tops up every active slot's pages for the next chunk;
-3. runs `decode_chunk` steps of decoding for all slots in one jitted `lax.scan`;
-4. reads the sampled tokens back, finishes sequences (EOS / stop ids / max new tokens /
-   context), frees their pages and slots, so the next queued requests take them.
+1. admits queued requests into free slots and prefills them (prompt, or prompt + generated
+   tokens for a sequence readmitted after preemption) in one padded batch per shard;
+2. gives every running sequence pages for its next chunk, preempting the most recently
+   admitted sequence of a shard that runs out;
+3. runs up to `decode_chunk` decode steps for all slots in one jitted `lax.while_loop`
+   (under `shard_map`: every device decodes its own slots against its own pool). A sequence
+   that samples a stop id or reaches its length limit stops writing at once, and the loop
+   ends early when every slot has stopped;
+4. reads the tokens back, finishes sequences, frees their slots and pages.
 
-The decode function is compiled once per (attention strategy, LoRA-or-not) and the prefill
-once per (batch bucket, length bucket): shapes are bucketed to powers of two and multiples of
-the page size. `GenerationEngine.num_compilations` counts traces.
+Cost of a decode step. The cache is one buffer per layer (see `models/kv_cache.py`), written in
+place; attention reads only what it needs: dense layers the sequence's own pages, block-sparse
+layers the landmarks of the sequence's pages plus the selected pages. The page table passed to
+a chunk is cut to the longest running sequence, rounded up to a power of two (at least
+`min_page_bucket` pages), so neither the pool size nor `max_seq_len` enters a step's cost.
+One decode program is compiled per page-table width bucket (and attention strategy), one
+prefill per (rows, length) bucket; `num_compilations` counts traces.
+
+Pool size. `EngineConfig` takes the pool as pages (`num_pages`), as bytes (`kv_cache_bytes`:
+K, V and landmarks, per device) or as a fraction of the device's free memory
+(`kv_cache_memory_fraction`, measured when the engine is built, i.e. after the parameters and
+optimizer state are allocated; GPUs report it, CPUs do not). `max_seq_len` bounds one sequence,
+not the pool. Without any of them the pool holds every slot at `max_seq_len` (no preemption).
 
 Attention is a strategy (`Dense()` or `BlockSparse(...)`); for block-sparse decoding a
-`SparsitySchedule`-like object (anything with `budgets` and `bin_size`) or a constant budget
-gives the per-slot page budget of each step as a traced lookup, so changing budgets or
-swapping schedules with the same number of bins never recompiles.
+`SparsitySchedule` (or a constant int budget) gives each slot's page budget per step through
+`schedule.budget_pages` on a traced table: changing budgets, or swapping in a schedule with the
+same bins, never recompiles.
+
+Stats of the last `generate` call are in `last_stats` (cumulative ones in `stats`): generated
+tokens, decode chunks and steps, prefills, preemptions, recomputed tokens, pool high-water
+mark, wasted decode steps (slot-steps of sequences that had already finished in their chunk),
+idle slot steps, wall time.
 """
 
 from __future__ import annotations
@@ -30,34 +51,53 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sparrow_jax.engine.sampling import SamplingParams, sample_tokens, topk_logprobs
+from sparrow_jax.engine.scheduler import Scheduler, SeqState
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.decoder import Decoder
-from sparrow_jax.models.kv_cache import PageAllocator, PagedKVCache, page_table_row, pages_for
-from sparrow_jax.engine.sampling import SamplingParams, sample_tokens, topk_logprobs
-from sparrow_jax.schedule.schedule import SparsitySchedule, as_schedule, budget_pages
+from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page, pages_for
+from sparrow_jax.schedule.schedule import (SparsitySchedule, as_schedule, budget_pages,
+                                           teacher_forced_budgets)
+
+AXIS = "rollout"  # the one mesh axis of the engine: every device is a shard
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-  """Static shape of the engine: slots, context, cache pool and chunking."""
+  """Static shape of the engine. Slot and pool sizes are per device (shard)."""
 
-  num_slots: int = 8
+  num_slots: int = 8  # concurrent sequences per device
   max_seq_len: int = 2048  # prompt + generated tokens of one sequence
   page_size: int = 16
-  num_pages: int | None = None  # pool size incl. the null page; default: every slot full
+  num_pages: int | None = None  # pool pages per device incl. the null page
+  kv_cache_bytes: int | None = None  # pool bytes per device (K, V, landmarks)
+  kv_cache_memory_fraction: float | None = None  # of the device's free memory (GPU)
   decode_chunk: int = 16  # decode steps per jitted call
   cache_dtype: str | None = None  # default: the model's compute dtype
   logprobs_topk: int = 0  # keep the top-k log-probs of every generated token (monitor)
+  min_page_bucket: int = 8  # smallest compiled page-table width (pages)
 
   def __post_init__(self):
-    for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk"):
-      if getattr(self, f) < 1:
-        raise ValueError(f"EngineConfig.{f}={getattr(self, f)}: expected >= 1")
+    for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk", "min_page_bucket"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ValueError(f"EngineConfig.{f}={v!r}: expected an int >= 1")
     if self.page_size & (self.page_size - 1):
       raise ValueError(f"EngineConfig.page_size={self.page_size}: expected a power of two")
+    given = [f for f in ("num_pages", "kv_cache_bytes", "kv_cache_memory_fraction")
+             if getattr(self, f) is not None]
+    if len(given) > 1:
+      raise ValueError(f"EngineConfig: {' and '.join(given)} both size the KV pool; give one")
     if self.num_pages is not None and self.num_pages < 2:
-      raise ValueError(f"EngineConfig.num_pages={self.num_pages}: expected >= 2")
+      raise ValueError(f"EngineConfig.num_pages={self.num_pages}: expected >= 2 (page 0 is "
+                       "the null page)")
+    if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
+      raise ValueError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes}: expected > 0")
+    f = self.kv_cache_memory_fraction
+    if f is not None and not 0 < f <= 1:
+      raise ValueError(f"EngineConfig.kv_cache_memory_fraction={f}: expected in (0, 1]")
     if self.logprobs_topk < 0:
       raise ValueError(f"EngineConfig.logprobs_topk={self.logprobs_topk}: expected >= 0")
 
@@ -66,10 +106,36 @@ class EngineConfig:
     return pages_for(self.max_seq_len, self.page_size)
 
   @property
-  def pool_pages(self) -> int:
-    if self.num_pages is not None:
-      return self.num_pages
+  def worst_case_pages(self) -> int:
+    """Pool pages for every slot at `max_seq_len` (+ the null page)."""
     return self.num_slots * self.max_pages_per_seq + 1
+
+
+def resolve_pool_pages(config: EngineConfig, bytes_per_page: int, device=None) -> int:
+  """Pages of one device's pool (null page included) for `config`."""
+  if config.num_pages is not None:
+    return config.num_pages
+  if config.kv_cache_bytes is not None:
+    budget = config.kv_cache_bytes
+    what = f"kv_cache_bytes={config.kv_cache_bytes}"
+  elif config.kv_cache_memory_fraction is not None:
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+      raise ValueError(
+          f"EngineConfig.kv_cache_memory_fraction={config.kv_cache_memory_fraction}: device "
+          f"{device} does not report its memory; give kv_cache_bytes or num_pages instead")
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    budget = int(config.kv_cache_memory_fraction * free)
+    what = (f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of "
+            f"{free / 1e9:.2f} GB free")
+  else:
+    return config.worst_case_pages
+  pages = budget // bytes_per_page
+  if pages < 2:
+    raise ValueError(f"EngineConfig {what}: {budget} bytes hold {pages} page(s) of "
+                     f"{bytes_per_page} bytes; need at least 2 (the null page and one more)")
+  return int(pages)
 
 
 @dataclasses.dataclass
@@ -91,109 +157,182 @@ class Completion:
   finish_reason: str
   topk_ids: np.ndarray | None = None  # [n, k] int32
   topk_logprobs: np.ndarray | None = None  # [n, k] float32
+  preemptions: int = 0  # times the sequence was preempted and recomputed
 
 
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
-@dataclasses.dataclass
-class _Slot:
-  req: Request
-  index: int
-  pages: list
-  tokens: list
-  logprobs: list
-  topk_ids: list
-  topk_lps: list
-  length: int  # tokens held in the cache (host mirror of cache.lengths)
-  pending: int  # last sampled token, not yet in the cache
-  stop_ids: frozenset = frozenset()  # stop ids + EOS (unless ignore_eos), fixed per request
-
-
 class GenerationEngine:
-  """Batched generation with a paged KV cache and continuous batching."""
+  """Batched generation with a paged KV cache, continuous batching and preemption."""
 
   def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
-               attention: attn_lib.AttentionSpec | None = None, schedule=None):
-    self.config = config or EngineConfig()
+               attention: attn_lib.AttentionSpec | None = None, schedule=None,
+               mesh: Mesh | None = None):
+    self.config = cfg = config or EngineConfig()
     self.attention = attention if attention is not None else attn_lib.Dense()
     self.schedule = self._as_schedule(schedule)
-    self.model_config = model.cfg
-    cfg = self.config
-    if cfg.max_seq_len > model.cfg.max_position_embeddings:
+    self.model_config = mc = model.cfg
+    if cfg.max_seq_len > mc.max_position_embeddings:
       raise ValueError(f"EngineConfig.max_seq_len={cfg.max_seq_len} exceeds the model's "
-                       f"max_position_embeddings={model.cfg.max_position_embeddings}")
-    self.graphdef, self.state = nnx.split(model)
-    self.allocator = PageAllocator(cfg.pool_pages)
+                       f"max_position_embeddings={mc.max_position_embeddings}")
+    if isinstance(self.attention, attn_lib.BlockSparse) and (
+        self.attention.page_size != cfg.page_size):
+      raise ValueError(f"attention page_size={self.attention.page_size} differs from "
+                       f"EngineConfig.page_size={cfg.page_size}")
+    devices = (np.asarray(jax.devices()[:1]) if mesh is None
+               else np.asarray(mesh.devices).reshape(-1))
+    self.mesh = Mesh(devices, (AXIS,))
+    self.num_shards = len(devices)
+    self.graphdef, state = nnx.split(model)
+    self.state = self._place_state(state)
     landmark = (self.attention.landmark if isinstance(self.attention, attn_lib.BlockSparse)
                 else "none")
-    self.cache = PagedKVCache.create(
-        num_layers=model.cfg.num_layers, num_kv_heads=model.cfg.num_kv_heads,
-        head_dim=model.cfg.head_dim, num_slots=cfg.num_slots, num_pages=cfg.pool_pages,
-        max_pages_per_seq=cfg.max_pages_per_seq, page_size=cfg.page_size,
-        dtype=jnp.dtype(cfg.cache_dtype or model.cfg.dtype), landmark=landmark)
+    self.cache_dtype = jnp.dtype(cfg.cache_dtype or mc.dtype)
+    self.bytes_per_page = kv_bytes_per_page(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        page_size=cfg.page_size, dtype=self.cache_dtype, landmark=landmark)
+    self.pool_pages = resolve_pool_pages(cfg, self.bytes_per_page, devices[0])
+    self._landmark = landmark
+    self._kv = self._create_pool()
     self.num_compilations = 0
-    self.stats = collections.Counter()
-    self._prefill_fn = jax.jit(self._prefill_impl, donate_argnums=(1,))
-    self._decode_fn = jax.jit(self._decode_impl, donate_argnums=(1,))
+    self.stats: collections.Counter = collections.Counter()
+    self.last_stats: dict[str, float] = {}
+    self._prefill_fn = {}
+    self._decode_fn = {}
 
-  # --- jitted bodies --------------------------------------------------------------------
-  def _prefill_impl(self, state, cache, tokens, lengths, slots, page_rows, seeds, temps, top_ps,
-                    top_ks, lora):
-    self.num_compilations += 1  # runs at trace time only
+  # --- placement ------------------------------------------------------------------------
+  def _place_state(self, state):
+    """Parameters replicated on every rollout device (gathered from any training layout)."""
+    return jax.device_put(state, NamedSharding(self.mesh, P()))
+
+  def _create_pool(self) -> PagedKVCache:
+    mc, cfg, d = self.model_config, self.config, self.num_shards
+
+    def make():
+      return PagedKVCache.create(
+          num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+          num_slots=d * cfg.num_slots, num_pages=d * self.pool_pages, max_pages_per_seq=1,
+          page_size=cfg.page_size, dtype=self.cache_dtype, landmark=self._landmark)
+
+    return jax.jit(make, out_shardings=self._cache_shardings())()
+
+  def _cache_specs(self) -> PagedKVCache:
+    """PartitionSpecs of the cache: pages and slots split over the rollout devices."""
+    L = self.model_config.num_layers
+    n_lm = {"none": 0, "mean": 1, "quest": 2}[self._landmark]
+    pages = P(None, AXIS)
+    return PagedKVCache(k=(pages,) * L, v=(pages,) * L,
+                        landmarks=tuple((pages,) * n_lm for _ in range(L)),
+                        page_table=P(AXIS), lengths=P(AXIS), landmark_kind=self._landmark)
+
+  def _cache_shardings(self):
+    return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._cache_specs(),
+                        is_leaf=lambda x: isinstance(x, P))
+
+  def _shard(self, fn, in_specs, out_specs):
+    return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+  # --- jitted bodies (per-device code, run under shard_map) -------------------------------
+  def _prefill_local(self, attention, state, cache, tokens, lengths, slots, page_rows, seeds,
+                     temps, top_ps, top_ks, table, prompt_lengths, lora):
     model = nnx.merge(self.graphdef, state)
-    cache, logits = model.prefill(cache, tokens, lengths, slots, page_rows, lora=lora)
+    budgets = None
+    if isinstance(attention, attn_lib.BlockSparse):
+      n, t = tokens.shape
+      budgets = teacher_forced_budgets(self.schedule, t, n, table)
+    cache, logits = model.prefill(cache, tokens, lengths, slots, page_rows,
+                                  attention=attention, budgets=budgets,
+                                  prompt_lengths=prompt_lengths, lora=lora)
     tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks)
-    k = self.config.logprobs_topk
-    tk = topk_logprobs(logits, k) if k else (jnp.zeros((tok.shape[0], 0), jnp.int32),
-                                             jnp.zeros((tok.shape[0], 0), jnp.float32))
+    tk = self._topk(logits)
     return cache, tok, lp, tk
 
-  def _decode_impl(self, state, cache, tokens, active, seeds, temps, top_ps, top_ks, table,
-                   lora):
-    self.num_compilations += 1
-    model = nnx.merge(self.graphdef, state)
+  def _topk(self, logits):
     k = self.config.logprobs_topk
+    if k:
+      return topk_logprobs(logits, k)
+    b = logits.shape[0]
+    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
 
-    def step(carry, _):
-      cache, tok = carry
+  def _decode_local(self, state, cache, tokens, active, remaining, stop_ids, seeds, temps,
+                    top_ps, top_ks, table, lora):
+    model = nnx.merge(self.graphdef, state)
+    c, b, k = self.config.decode_chunk, tokens.shape[0], self.config.logprobs_topk
+    outs = (jnp.zeros((c, b), jnp.int32), jnp.zeros((c, b), jnp.float32),
+            jnp.zeros((c, b, k), jnp.int32), jnp.zeros((c, b, k), jnp.float32))
+
+    def cond(carry):
+      step, _, _, active, _, _ = carry
+      return (step < c) & jnp.any(active)
+
+    def body(carry):
+      step, cache, tok, active, remaining, outs = carry
       budgets = None
       if self.schedule is not None:
         budgets = budget_pages(self.schedule, cache.lengths + 1, table)
       cache, logits = model.decode(cache, tok, active, attention=self.attention,
                                    budgets=budgets, lora=lora)
       new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks)
+      tk_ids, tk_lp = self._topk(logits)
+      row = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, step, 0)
+      outs = tuple(row(o, x) for o, x in zip(outs, (new_tok, lp, tk_ids, tk_lp)))
+      # Device-side finish: a stop id or the last allowed token ends the sequence now.
+      remaining = remaining - active.astype(jnp.int32)
+      done = jnp.any(new_tok[:, None] == stop_ids, axis=-1) | (remaining <= 0)
       new_tok = jnp.where(active, new_tok, tok)
-      if k:
-        tk = topk_logprobs(logits, k)
-      else:
-        tk = (jnp.zeros((tok.shape[0], 0), jnp.int32), jnp.zeros((tok.shape[0], 0)))
-      return (cache, new_tok), (new_tok, lp, tk)
+      return step + 1, cache, new_tok, active & ~done, remaining, outs
 
-    (cache, _), outs = jax.lax.scan(step, (cache, tokens), None,
-                                    length=self.config.decode_chunk)
-    return cache, outs
+    init = (jnp.int32(0), cache, tokens, active, remaining, outs)
+    steps, cache, _, _, _, outs = jax.lax.while_loop(cond, body, init)
+    return cache, outs, steps[None]
+
+  def _get_prefill(self, attention):
+    key = attention
+    if key not in self._prefill_fn:
+      def fn(state, cache, *args):
+        self.num_compilations += 1  # runs at trace time only
+        local = lambda st, ca, *a: self._prefill_local(attention, st, ca, *a)
+        rows = P(AXIS)
+        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
+                    P(), rows, P())
+        out_specs = (self._cache_specs(), rows, rows, (rows, rows))
+        return self._shard(local, in_specs, out_specs)(state, cache, *args)
+      self._prefill_fn[key] = jax.jit(fn, donate_argnums=(1,))
+    return self._prefill_fn[key]
+
+  def _get_decode(self):
+    key = (self.attention, None if self.schedule is None
+           else (self.schedule.bin_size, self.schedule.num_bins))
+    if key not in self._decode_fn:
+      def fn(state, cache, *args):
+        self.num_compilations += 1
+        rows = P(AXIS)
+        cols = P(None, AXIS)
+        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
+                    P(), P())
+        out_specs = (self._cache_specs(), (cols, cols, cols, cols), rows)
+        return self._shard(self._decode_local, in_specs, out_specs)(state, cache, *args)
+      self._decode_fn[key] = jax.jit(fn, donate_argnums=(1,))
+    return self._decode_fn[key]
 
   # --- host side ------------------------------------------------------------------------
   def set_attention(self, attention: attn_lib.AttentionSpec, schedule=None) -> None:
     """Switch schedule/strategy. Budgets are traced, so a new table alone never recompiles;
-    a new static spec (e.g. a larger max_budget) retraces the decode step once."""
+    a new static spec (e.g. a larger max_budget) or new bins trace the decode step once."""
     if (isinstance(attention, attn_lib.BlockSparse)
-        and attention.landmark != self.cache.landmark_kind):
+        and attention.landmark != self._landmark):
       raise ValueError(f"cannot switch to {attention.landmark!r} landmarks: the cache keeps "
-                       f"{self.cache.landmark_kind!r}")
-    old_attention, old_schedule = self.attention, self.schedule
+                       f"{self._landmark!r}")
+    old = self.attention
     self.attention = attention
     try:
       self.schedule = self._as_schedule(schedule)
     except ValueError:
-      self.attention = old_attention
+      self.attention = old
       raise
-    # The bin width and the number of bins are static in the lookup; the budgets are traced.
-    key = lambda sch: None if sch is None else (sch.bin_size, sch.num_bins)
-    if attention != old_attention or key(self.schedule) != key(old_schedule):
-      self._decode_fn = jax.jit(self._decode_impl, donate_argnums=(1,))
 
   def _as_schedule(self, schedule) -> SparsitySchedule | None:
     """The budget schedule of block-sparse decoding (None for dense attention)."""
@@ -211,12 +350,14 @@ class GenerationEngine:
     return schedule
 
   def set_state(self, state) -> None:
-    """Swap in new policy parameters (same structure): no recompilation."""
-    self.state = state
+    """Swap in new policy parameters (same structure), resharded from any training layout to
+    the rollout layout (replicated on every rollout device): no recompilation."""
+    self.state = self._place_state(state)
 
-  def _validate(self, requests):
-    cfg = self.config
-    for r in requests:
+  def _validate(self, requests, sched: Scheduler) -> list[SeqState]:
+    cfg, vocab = self.config, self.model_config.vocab_size
+    seqs = []
+    for i, r in enumerate(requests):
       n = len(r.prompt_ids)
       if n < 1:
         raise ValueError(f"request {r.request_id!r}: empty prompt")
@@ -224,171 +365,208 @@ class GenerationEngine:
         raise ValueError(
             f"request {r.request_id!r}: prompt of {n} tokens does not fit the context "
             f"max_seq_len={cfg.max_seq_len} (needs at least one generated token)")
-      bad = [t for t in r.prompt_ids if not 0 <= int(t) < self.model_config.vocab_size]
+      bad = [t for t in r.prompt_ids if not 0 <= int(t) < vocab]
       if bad:
         raise ValueError(f"request {r.request_id!r}: token ids {bad[:5]} outside the "
-                         f"vocabulary [0, {self.model_config.vocab_size})")
+                         f"vocabulary [0, {vocab})")
+      stop = set(r.sampling.stop_token_ids)
+      if not r.sampling.ignore_eos:
+        stop.update(self.model_config.eos_token_ids)
+      seq = SeqState(req=r, index=i, stop_ids=frozenset(stop),
+                     max_len=min(n + r.sampling.max_new_tokens, cfg.max_seq_len))
+      need, cap = sched.max_pages_of(seq), sched.allocators[0].capacity
+      if need > cap:
+        raise ValueError(
+            f"request {r.request_id!r}: prompt {n} + max_new_tokens "
+            f"{r.sampling.max_new_tokens} tokens need up to {need} pages of "
+            f"{cfg.page_size} tokens, but the KV pool holds {cap} pages per device "
+            f"({self.pool_pages * self.bytes_per_page / 1e9:.3f} GB); raise num_pages / "
+            "kv_cache_bytes or lower max_new_tokens")
+      seqs.append(seq)
+    return seqs
 
-  def _row_params(self, reqs: Sequence[Request | None], n: int):
+  def _row_params(self, rows: Sequence[SeqState | None]):
+    n = len(rows)
     seeds = np.zeros((n,), np.int32)
     temps = np.zeros((n,), np.float32)
     top_ps = np.ones((n,), np.float32)
     top_ks = np.zeros((n,), np.int32)
-    for i, r in enumerate(reqs):
-      if r is None:
+    for i, s in enumerate(rows):
+      if s is None:
         continue
-      sp = r.sampling
+      sp = s.req.sampling
       seeds[i] = sp.seed & 0x7FFFFFFF
       temps[i], top_ps[i], top_ks[i] = sp.temperature, sp.top_p, sp.top_k
-    return (jnp.asarray(seeds), jnp.asarray(temps), jnp.asarray(top_ps), jnp.asarray(top_ks))
+    return seeds, temps, top_ps, top_ks
 
-  def _record(self, slot: _Slot, tok: int, lp: float, tk_ids, tk_lps) -> str | None:
+  def _table(self):
+    if self.schedule is None:
+      return jnp.zeros((1,), jnp.int32)
+    return jnp.asarray(self.schedule.budgets, jnp.int32)
+
+  def _record(self, seq: SeqState, tok: int, lp: float, tk_ids, tk_lps) -> str | None:
     """Append a sampled token; return a finish reason or None."""
-    slot.tokens.append(int(tok))
-    slot.logprobs.append(float(lp))
+    seq.tokens.append(int(tok))
+    seq.logprobs.append(float(lp))
     if self.config.logprobs_topk:
-      slot.topk_ids.append(np.asarray(tk_ids))
-      slot.topk_lps.append(np.asarray(tk_lps))
-    sp = slot.req.sampling
-    if int(tok) in slot.stop_ids:
+      seq.topk_ids.append(np.asarray(tk_ids))
+      seq.topk_lps.append(np.asarray(tk_lps))
+    if int(tok) in seq.stop_ids:
       return "stop"
-    if len(slot.tokens) >= sp.max_new_tokens:
+    if len(seq.tokens) >= seq.req.sampling.max_new_tokens:
       return "length"
-    if len(slot.req.prompt_ids) + len(slot.tokens) >= self.config.max_seq_len:
+    if seq.prompt_len + len(seq.tokens) >= self.config.max_seq_len:
       return "context"
     return None
 
-  def _finish(self, slot: _Slot, reason: str, done: dict) -> None:
+  def _complete(self, seq: SeqState, reason: str) -> Completion:
     k = self.config.logprobs_topk
-    done[id(slot.req)] = Completion(
-        request_id=slot.req.request_id,
-        prompt_ids=np.asarray(slot.req.prompt_ids, np.int32),
-        token_ids=np.asarray(slot.tokens, np.int32),
-        logprobs=np.asarray(slot.logprobs, np.float32), finish_reason=reason,
-        topk_ids=np.stack(slot.topk_ids).astype(np.int32) if k else None,
-        topk_logprobs=np.stack(slot.topk_lps).astype(np.float32) if k else None)
-    self.allocator.free(slot.pages)
-    self.stats["finished"] += 1
+    return Completion(
+        request_id=seq.req.request_id,
+        prompt_ids=np.asarray(seq.req.prompt_ids, np.int32),
+        token_ids=np.asarray(seq.tokens, np.int32),
+        logprobs=np.asarray(seq.logprobs, np.float32), finish_reason=reason,
+        topk_ids=(np.stack(seq.topk_ids).astype(np.int32) if k and seq.topk_ids
+                  else np.zeros((len(seq.tokens), k), np.int32) if k else None),
+        topk_logprobs=(np.stack(seq.topk_lps).astype(np.float32) if k and seq.topk_lps
+                       else np.zeros((len(seq.tokens), k), np.float32) if k else None),
+        preemptions=seq.preemptions)
 
-  def _ensure_pages(self, slot: _Slot, upto_tokens: int) -> bool:
-    need = min(pages_for(upto_tokens, self.config.page_size), self.config.max_pages_per_seq)
-    extra = need - len(slot.pages)
-    if extra <= 0:
-      return True
-    if extra > self.allocator.num_free:
-      return False
-    slot.pages.extend(self.allocator.alloc(extra))
-    return True
+  def _page_bucket(self, pages: int) -> int:
+    cfg = self.config
+    return min(max(_next_pow2(pages), cfg.min_page_bucket), cfg.max_pages_per_seq)
 
   def generate(self, requests: Sequence[Request], *, lora=None,
                progress: Callable[[int, int], None] | None = None) -> list[Completion]:
     """Generate a completion for every request (returned in request order)."""
     cfg = self.config
     requests = list(requests)
-    self._validate(requests)
-    queue = collections.deque(requests)
-    slots: list[_Slot | None] = [None] * cfg.num_slots
+    sched = Scheduler(num_shards=self.num_shards, num_slots=cfg.num_slots,
+                      num_pages=self.pool_pages, page_size=cfg.page_size,
+                      max_pages_per_seq=cfg.max_pages_per_seq, chunk=cfg.decode_chunk)
+    seqs = self._validate(requests, sched)  # every request checked before any work
+    sched.submit(seqs)
+    self.last_scheduler = sched  # inspection (tests, benchmarks): pools, slots, stats
     done: dict[int, Completion] = {}
-    table = (jnp.asarray(self.schedule.budgets, jnp.int32)
-             if self.schedule is not None else jnp.zeros((1,), jnp.int32))
-    page_table = np.zeros((cfg.num_slots, cfg.max_pages_per_seq), np.int32)
+    table = self._table()
+    counts = collections.Counter()
+    compiles0 = self.num_compilations
     t0 = time.perf_counter()
-    while queue or any(s is not None for s in slots):
-      # 1. admit queued requests into free slots and prefill them together.
-      admitted: list[_Slot] = []
-      for i in range(cfg.num_slots):
-        if slots[i] is not None or not queue:
-          continue
-        req = queue[0]
-        stop = set(req.sampling.stop_token_ids)
-        if not req.sampling.ignore_eos:
-          stop.update(self.model_config.eos_token_ids)
-        slot = _Slot(req, i, [], [], [], [], [], len(req.prompt_ids), -1, frozenset(stop))
-        if not self._ensure_pages(slot, len(req.prompt_ids) + cfg.decode_chunk):
-          break
-        queue.popleft()
-        slots[i] = slot
-        admitted.append(slot)
-      if not admitted and not any(s is not None for s in slots):
-        raise RuntimeError(
-            f"KV cache pool of {cfg.pool_pages} pages cannot hold even one request; "
-            "raise EngineConfig.num_pages")
+    while sched.has_work():
+      admitted = sched.admit()
       if admitted:
-        self._prefill(admitted, lora, done, slots)
-      active_slots = [s for s in slots if s is not None]
-      if not active_slots:
+        self._prefill(sched, admitted, table, lora, done, counts)
+      running = sched.grow()
+      if not running:
+        if sched.queue and not admitted:
+          raise AssertionError("scheduler made no progress with an empty engine")
         continue
-      # 2. pages for the next chunk (a slot that cannot get them waits this chunk out).
-      active = np.zeros((cfg.num_slots,), bool)
-      for s in active_slots:
-        if self._ensure_pages(s, s.length + cfg.decode_chunk):
-          active[s.index] = True
-        page_table[s.index] = page_table_row(s.pages, cfg.max_pages_per_seq)
-      if not active.any():
-        raise RuntimeError("KV cache pool exhausted: no active slot can grow; raise "
-                           "EngineConfig.num_pages or lower num_slots")
-      for i in range(cfg.num_slots):
-        if slots[i] is None:
-          page_table[i] = 0
-      # 3. one jitted chunk of decode steps for all slots.
-      tokens = np.zeros((cfg.num_slots,), np.int32)
-      for s in active_slots:
-        tokens[s.index] = s.pending
-      self.cache = self.cache.replace(page_table=jnp.asarray(page_table))
-      params = self._row_params([s.req if s is not None else None for s in slots],
-                                cfg.num_slots)
-      self.cache, outs = self._decode_fn(self.state, self.cache, jnp.asarray(tokens),
-                                         jnp.asarray(active), *params, table, lora)
-      toks, lps, (tk_ids, tk_lps) = jax.device_get(outs)  # [C, B], [C, B], [C, B, k]
-      self.stats["decode_chunks"] += 1
-      # 4. read back, finish sequences, free their pages and slots.
-      for s in active_slots:
-        if not active[s.index]:
-          continue
-        s.length += cfg.decode_chunk
-        for c in range(cfg.decode_chunk):
-          reason = self._record(s, toks[c, s.index], lps[c, s.index], tk_ids[c, s.index],
-                                tk_lps[c, s.index])
-          if reason is not None:
-            self._finish(s, reason, done)
-            slots[s.index] = None
-            break
-        else:
-          s.pending = int(toks[-1, s.index])
+      self._decode_chunk(sched, running, table, lora, done, counts)
       if progress is not None:
         progress(len(done), len(requests))
-    self.stats["generated_tokens"] += sum(len(c.token_ids) for c in done.values())
-    self.stats["wall_s"] += time.perf_counter() - t0
-    return [done[id(r)] for r in requests]
+    wall = time.perf_counter() - t0
+    gen = sum(len(c.token_ids) for c in done.values())
+    self.last_stats = dict(counts, **sched.stats.as_dict(), generated_tokens=gen,
+                           finished=len(done), wall_s=wall,
+                           compilations=self.num_compilations - compiles0)
+    for key, val in self.last_stats.items():
+      if key not in ("pool_high_water_frac", "pool_capacity_pages", "pool_high_water_pages"):
+        self.stats[key] += val
+    self.stats["pool_high_water_pages"] = max(self.stats["pool_high_water_pages"],
+                                              sched.stats.pool_high_water)
+    return [done[i] for i in range(len(requests))]
 
-  def _prefill(self, admitted: list[_Slot], lora, done: dict, slots: list) -> None:
-    cfg = self.config
-    n = _next_pow2(len(admitted))
-    longest = max(len(s.req.prompt_ids) for s in admitted)
-    t = max(cfg.page_size, _next_pow2(longest))
-    t = min(t, pages_for(cfg.max_seq_len, cfg.page_size) * cfg.page_size)
-    tokens = np.zeros((n, t), np.int32)
-    lengths = np.ones((n,), np.int32)
-    slot_ids = np.full((n,), cfg.num_slots, np.int32)  # out of range: dropped
-    rows = np.zeros((n, cfg.max_pages_per_seq), np.int32)
-    reqs: list[Request | None] = [None] * n
-    for j, s in enumerate(admitted):
-      p = np.asarray(s.req.prompt_ids, np.int32)
-      tokens[j, :len(p)] = p
-      lengths[j] = len(p)
-      slot_ids[j] = s.index
-      rows[j] = page_table_row(s.pages, cfg.max_pages_per_seq)
-      reqs[j] = s.req
-    params = self._row_params(reqs, n)
-    self.cache, tok, lp, (tk_ids, tk_lps) = self._prefill_fn(
-        self.state, self.cache, jnp.asarray(tokens), jnp.asarray(lengths),
-        jnp.asarray(slot_ids), jnp.asarray(rows), *params, lora)
+  def _finish(self, sched: Scheduler, seq: SeqState, reason: str, done: dict) -> None:
+    done[seq.index] = self._complete(seq, reason)
+    sched.release(seq)
+
+  def _prefill(self, sched: Scheduler, admitted: list[SeqState], table, lora, done: dict,
+               counts) -> None:
+    cfg, d = self.config, self.num_shards
+    by_shard = [[s for s in admitted if s.shard == k] for k in range(d)]
+    n = _next_pow2(max(len(b) for b in by_shard))
+    longest = max(len(s.context) for s in admitted)
+    t = min(max(cfg.page_size, _next_pow2(longest)), cfg.max_pages_per_seq * cfg.page_size)
+    width = t // cfg.page_size
+    tokens = np.zeros((d * n, t), np.int32)
+    lengths = np.ones((d * n,), np.int32)
+    prompt_lengths = np.ones((d * n,), np.int32)
+    slot_ids = np.full((d * n,), cfg.num_slots, np.int32)  # out of range: dropped
+    rows = np.zeros((d * n, width), np.int32)
+    order: list[SeqState | None] = [None] * (d * n)
+    for k, group in enumerate(by_shard):
+      for j, s in enumerate(group):
+        r = k * n + j
+        ctx = np.asarray(s.context, np.int32)
+        tokens[r, :len(ctx)] = ctx
+        lengths[r] = len(ctx)
+        prompt_lengths[r] = s.prompt_len
+        slot_ids[r] = s.slot
+        rows[r, :min(len(s.pages), width)] = s.pages[:width]
+        order[r] = s
+    # A readmitted sequence recomputes its generated tokens as decode attended to them.
+    readmit = any(s.preemptions for s in admitted)
+    attention = (self.attention if readmit and isinstance(self.attention, attn_lib.BlockSparse)
+                 else attn_lib.Dense())
+    cache = self._kv.replace(page_table=self._zero_table())
+    params = [jnp.asarray(x) for x in self._row_params(order)]
+    cache, tok, lp, (tk_ids, tk_lps) = self._get_prefill(attention)(
+        self.state, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(slot_ids),
+        jnp.asarray(rows), *params, table, jnp.asarray(prompt_lengths), lora)
+    self._kv = cache
     tok, lp, tk_ids, tk_lps = jax.device_get((tok, lp, tk_ids, tk_lps))
-    self.stats["prefills"] += 1
-    for j, s in enumerate(admitted):
-      reason = self._record(s, tok[j], lp[j], tk_ids[j], tk_lps[j])
+    counts["prefills"] += 1
+    counts["prefill_tokens"] += int(sum(len(s.context) for s in admitted))
+    for r, s in enumerate(order):
+      if s is None:
+        continue
+      s.length = len(s.context)
+      reason = self._record(s, tok[r], lp[r], tk_ids[r], tk_lps[r])
       if reason is not None:
-        self._finish(s, reason, done)
-        slots[s.index] = None
-      else:
-        s.pending = int(tok[j])
+        self._finish(sched, s, reason, done)
+
+  def _zero_table(self):
+    return jnp.zeros((self.num_shards * self.config.num_slots, 1), jnp.int32)
+
+  def _decode_chunk(self, sched: Scheduler, running: list[SeqState], table, lora,
+                    done: dict, counts) -> None:
+    cfg, d, b = self.config, self.num_shards, self.config.num_slots
+    width = self._page_bucket(max(len(s.pages) for s in running))
+    rows: list[SeqState | None] = [None] * (d * b)
+    for s in running:
+      rows[s.shard * b + s.slot] = s
+    tokens = np.zeros((d * b,), np.int32)
+    active = np.zeros((d * b,), bool)
+    remaining = np.zeros((d * b,), np.int32)
+    n_stop = max([len(s.stop_ids) for s in running] + [1])
+    stop_ids = np.full((d * b, n_stop), -1, np.int32)
+    for r, s in enumerate(rows):
+      if s is None:
+        continue
+      tokens[r], active[r], remaining[r] = s.pending, True, s.remaining
+      ids = sorted(s.stop_ids)
+      stop_ids[r, :len(ids)] = ids
+    cache = self._kv.replace(page_table=jnp.asarray(sched.page_table(width)))
+    params = [jnp.asarray(x) for x in self._row_params(rows)]
+    cache, outs, steps = self._get_decode()(
+        self.state, cache, jnp.asarray(tokens), jnp.asarray(active), jnp.asarray(remaining),
+        jnp.asarray(stop_ids), *params, table, lora)
+    self._kv = cache
+    toks, lps, tk_ids, tk_lps = jax.device_get(outs)  # [C, D*B], [C, D*B, k]
+    steps = np.asarray(jax.device_get(steps))  # [D] steps run per shard
+    counts["decode_chunks"] += 1
+    counts["decode_steps"] += int(steps.max())
+    for k in range(d):
+      occupied = sum(rows[k * b + j] is not None for j in range(b))
+      counts["idle_slot_steps"] += int(steps[k]) * (b - occupied)
+    for r, s in enumerate(rows):
+      if s is None:
+        continue
+      n_run = int(steps[s.shard])
+      for c in range(n_run):
+        s.length += 1
+        reason = self._record(s, toks[c, r], lps[c, r], tk_ids[c, r], tk_lps[c, r])
+        if reason is not None:
+          counts["wasted_decode_steps"] += n_run - c - 1
+          self._finish(sched, s, reason, done)
+          break

@@ -6,7 +6,8 @@ One module serves three execution modes, all sharing the same projections, norms
   (`Dense()` or `BlockSparse(...)`, see `attention.py`); the block-sparse strategy selects pages
   for every query position exactly as incremental decode would at that step.
 * `prefill`: a batch of prompts written into the paged KV cache (dense causal attention, as
-  in SGLang/Vortex where only decode is sparse).
+  in SGLang/Vortex where only decode is sparse; a sequence readmitted after preemption
+  recomputes its generated part with the decode-time sparse attention).
 * `decode`: one token per sequence slot against the paged cache, dense or block-sparse.
 
 Weights use einsum-friendly layouts whose names end in their axes:
@@ -189,12 +190,15 @@ class Decoder(nnx.Module):
 
   def logits(self, x):
     """Final norm + LM head, accumulated and returned in float32."""
-    x = self.final_norm(x)
+    return self.lm_head(self.final_norm(x))
+
+  def lm_head(self, xn):
+    """LM head on final-normed hidden states `[..., D]` -> float32 logits `[..., V]`."""
     if self.cfg.tie_word_embeddings:
       w = self.embed_VD.value.astype(self.dtype)
-      return jnp.einsum("...d,vd->...v", x, w, preferred_element_type=jnp.float32)
+      return jnp.einsum("...d,vd->...v", xn, w, preferred_element_type=jnp.float32)
     w = self.lm_head_DV.value.astype(self.dtype)
-    return jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", xn, w, preferred_element_type=jnp.float32)
 
   def _layer_lora(self, lora, i):
     if lora is None:
@@ -249,22 +253,38 @@ class Decoder(nnx.Module):
     return self.logits(self.hidden_states(tokens, **kw))
 
   # --- paged cache: prefill -------------------------------------------------------------
-  def prefill(self, cache: PagedKVCache, tokens, lengths, slots, page_rows, lora=None):
-    """Write prompts into the cache and return the logits of each prompt's last token.
+  def prefill(self, cache: PagedKVCache, tokens, lengths, slots, page_rows, *,
+              attention: attn_lib.AttentionSpec | None = None, budgets=None,
+              prompt_lengths=None, lora=None, return_hidden: bool = False):
+    """Write whole sequences into the cache and return the logits of each one's last token.
+
+    Fresh prompts are prefilled with dense attention (as in SGLang/Vortex, only decode is
+    sparse). A sequence *readmitted* after preemption holds prompt + generated tokens: with a
+    block-sparse `attention`, queries at or past `prompt_lengths` attend exactly as decode did
+    (the teacher-forced sparse path), so the recomputed cache and next-token logits are those
+    an uninterrupted decode would have.
 
     Args:
       cache: the paged cache (all slots).
-      tokens: int32 `[n, T]` prompts, right-padded; T a multiple of the page size.
-      lengths: int32 `[n]` prompt lengths (≥ 1).
-      slots: int32 `[n]` destination slot of each prompt; an out-of-range slot (padding row)
+      tokens: int32 `[n, T]` sequences, right-padded; T a multiple of the page size.
+      lengths: int32 `[n]` sequence lengths (>= 1).
+      slots: int32 `[n]` destination slot of each row; an out-of-range slot (padding row)
         is dropped.
       page_rows: int32 `[n, M]` the page-table rows of those slots (physical page ids;
         unused entries 0, the null page).
+      attention: `Dense()` (default) or `BlockSparse(...)`.
+      budgets: int32 `[n, T]` page budgets per query position (BlockSparse only).
+      prompt_lengths: int32 `[n]`; queries before it attend densely (BlockSparse only;
+        default `lengths`, i.e. all dense).
+      return_hidden: also return the final-normed hidden state of the last token `[n, D]`.
     Returns:
-      (cache, logits float32 `[n, V]`).
+      (cache, logits float32 `[n, V]`) or (cache, logits, hidden) with `return_hidden`.
     """
+    attention = attention if attention is not None else attn_lib.Dense()
     n, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (n, t))
+    if isinstance(attention, attn_lib.BlockSparse) and prompt_lengths is None:
+      prompt_lengths = lengths
     cache = cache.assign_slots(slots, page_rows, lengths)
     x = self.embed(tokens)
     for i, layer in enumerate(self.layers):
@@ -272,25 +292,32 @@ class Decoder(nnx.Module):
       h = layer.input_norm(x)
       q, k, v = layer.attn.qkv(h, positions, ll)
       cache = cache.write_prompt(i, k, v, page_rows, lengths)
-      o = attn_lib.full_sequence_attention(attn_lib.Dense(), i, q, k, v, lengths=lengths)
+      o = attn_lib.full_sequence_attention(attention, i, q, k, v, lengths=lengths,
+                                           budgets=budgets, prompt_lengths=prompt_lengths)
       x = x + layer.attn.out(o, ll)
       x = x + layer.mlp(layer.post_attn_norm(x), ll)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, D]
-    return cache, self.logits(last)
+    xn = self.final_norm(last)
+    if return_hidden:
+      return cache, self.lm_head(xn), xn
+    return cache, self.lm_head(xn)
 
   # --- paged cache: one decode step -----------------------------------------------------
   def decode(self, cache: PagedKVCache, tokens, active, *,
-             attention: attn_lib.AttentionSpec | None = None, budgets=None, lora=None):
+             attention: attn_lib.AttentionSpec | None = None, budgets=None, lora=None,
+             return_hidden: bool = False):
     """Append one token per slot and return its logits.
 
     Args:
       cache: paged cache; `cache.lengths[b]` is the position of the new token of slot b.
       tokens: int32 `[B]` the tokens to append.
-      active: bool `[B]`; inactive slots write to the null page and keep their length.
+      active: bool `[B]`; inactive slots write nothing and keep their length.
       attention: `Dense()` or `BlockSparse(...)`.
       budgets: int32 `[B]` top-k page budget of each slot at this step (BlockSparse only).
+      return_hidden: also return the final-normed hidden state `[B, D]` (quality heads).
     Returns:
-      (cache with lengths advanced for active slots, float32 logits `[B, V]`).
+      (cache with lengths advanced for active slots, float32 logits `[B, V]`), plus the
+      hidden state with `return_hidden`.
     """
     attention = attention if attention is not None else attn_lib.Dense()
     positions = cache.lengths  # [B]
@@ -305,7 +332,10 @@ class Decoder(nnx.Module):
       x = x + layer.attn.out(o, ll)
       x = x + layer.mlp(layer.post_attn_norm(x), ll)
     cache = cache.replace(lengths=new_lengths)
-    return cache, self.logits(x)
+    xn = self.final_norm(x)
+    if return_hidden:
+      return cache, self.lm_head(xn), xn
+    return cache, self.lm_head(xn)
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:

@@ -1,16 +1,32 @@
-"""Paged KV cache (device pytree) and its host-side page allocator.
+"""Paged KV cache: the device pytree the decoder reads and writes, and its memory formula.
 
-Layout (DESIGN.md §3), stacked over layers L:
-  k, v:        [L, K, P, S, D]   one physical page = S contiguous tokens of one kv head
-  landmarks:   ()                 no landmarks (dense attention only)
-               ([L, K, P, D],)    "mean": mean key of the tokens written in the page
-               ([L, K, P, D],)*2  "quest": per-channel (min, max) of the keys written so far
-  page_table:  [B, M] int32       logical page j of slot b -> physical page id
-  lengths:     [B] int32          tokens held by slot b
+Layout (DESIGN.md §3), one buffer per layer l (a tuple over layers, never one stacked array):
+  k[l], v[l]:    [K, P, S, D]     one physical page = S contiguous tokens of one kv head
+  landmarks[l]:  ()                no landmarks (dense attention only)
+                 ([K, P, D],)      "mean": mean key of the page
+                 ([K, P, D],) * 2  "quest": per-channel (min, max) of the page's keys
+  page_table:    [B, M] int32      logical page j of slot b -> physical page id
+  lengths:       [B] int32         tokens held by slot b
 
-Physical page 0 is the *null page*: never handed out by the allocator. Page-table entries past
-a sequence's pages, padding rows of a prefill and inactive decode slots all point at it, so
-their writes land somewhere harmless and their reads are masked by `lengths`.
+Why per-layer buffers: a decode step writes one token into every layer and then reads pages of
+that layer. With one stacked `[L, K, P, S, D]` array, XLA has to keep the pre-write value of the
+whole stack alive for the per-layer reads (`k[l]` is a slice) and copies the stack once per
+layer and step — a cost proportional to the *pool*, not to what attention reads. Separate
+buffers are updated in place (scatter into a donated buffer) and read by gathers of only the
+pages needed.
+
+Landmarks are written when a page *fills* (the Sparrow release does the same), plus once for
+every prompt page at prefill. A partial page's landmark is never read: selection always attends
+the newest `reserved_recent >= 1` pages, the partial page included, and scores only older (full)
+pages. So a decode step reads back one page per slot only on the step that completes it.
+
+Physical page 0 is the *null page*: never handed out by the allocator. Page-table entries past a
+sequence's pages point at it and are masked by `lengths`. Writes of inactive slots, and landmark
+writes of pages that did not fill, use an out-of-range index with `mode="drop"`: nothing is
+written anywhere.
+
+With rollouts sharded over devices (`sparrow_jax.engine`), every device holds its own pool; the
+arrays here are then the per-device blocks (`P` pages, `B` slots) inside `shard_map`.
 """
 
 from __future__ import annotations
@@ -25,13 +41,14 @@ from sparrow_jax.pallas_kernels import selection
 
 NULL_PAGE = 0
 LANDMARK_KINDS = ("none", "mean", "quest")
+_NUM_LANDMARKS = {"none": 0, "mean": 1, "quest": 2}
 
 
 @struct.dataclass
 class PagedKVCache:
-  k: jax.Array  # [L, K, P, S, D]
-  v: jax.Array  # [L, K, P, S, D]
-  landmarks: tuple  # () | (mean,) | (min, max); each [L, K, P, D] float32
+  k: tuple  # L x [K, P, S, D]
+  v: tuple  # L x [K, P, S, D]
+  landmarks: tuple  # L x (() | (mean,) | (min, max)); each [K, P, D] float32
   page_table: jax.Array  # [B, M] int32
   lengths: jax.Array  # [B] int32
   landmark_kind: str = struct.field(pytree_node=False, default="none")
@@ -46,119 +63,123 @@ class PagedKVCache:
       raise ValueError(f"page_size={page_size}: expected a positive power of two")
     if num_pages < 2:
       raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the null page)")
-    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    lm_shape = (num_layers, num_kv_heads, num_pages, head_dim)
-    n_lm = {"none": 0, "mean": 1, "quest": 2}[landmark]
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
+    lm_shape = (num_kv_heads, num_pages, head_dim)
+    n_lm = _NUM_LANDMARKS[landmark]
     return cls(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-        landmarks=tuple(jnp.zeros(lm_shape, jnp.float32) for _ in range(n_lm)),
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        landmarks=tuple(tuple(jnp.zeros(lm_shape, jnp.float32) for _ in range(n_lm))
+                        for _ in range(num_layers)),
         page_table=jnp.zeros((num_slots, max_pages_per_seq), jnp.int32),
         lengths=jnp.zeros((num_slots,), jnp.int32), landmark_kind=landmark)
 
   @property
+  def num_layers(self) -> int:
+    return len(self.k)
+
+  @property
   def page_size(self) -> int:
-    return self.k.shape[3]
+    return self.k[0].shape[2]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k[0].shape[1]
 
   @property
   def num_slots(self) -> int:
     return self.page_table.shape[0]
 
   def layer(self, i: int):
-    """(k_pages, v_pages, landmarks) of layer i: `[K, P, S, D]` x2 and a tuple of `[K, P, D]`."""
-    return self.k[i], self.v[i], tuple(lm[i] for lm in self.landmarks)
+    """(k_pages, v_pages, landmarks) of layer i: `[K, P, S, D]` x2 and a tuple of `[K, P, D]`.
+    The buffers themselves (no slicing)."""
+    return self.k[i], self.v[i], self.landmarks[i]
 
   def _kind(self):
     return selection.LandmarkKind(self.landmark_kind)
 
-  def _set_landmarks(self, layer, phys, keys, num_valid):
-    """Recompute the landmarks of pages `phys` from their keys `[*phys.shape, K, S, D]`.
-
-    (`x.at[layer, :, phys]` puts the indexed axes first: numpy advanced-indexing order.)
-    """
-    if not self.landmarks:
-      return self.landmarks
-    num_valid = jnp.broadcast_to(num_valid, keys.shape[:-2])  # [*phys.shape, K]
-    lm = selection.compute_landmarks(keys.astype(jnp.float32), num_valid, self._kind())
-    lm = lm if isinstance(lm, tuple) else (lm,)
-    return tuple(old.at[layer, :, phys].set(new) for old, new in zip(self.landmarks, lm))
+  def _with_layer(self, i, k=None, v=None, lms=None) -> "PagedKVCache":
+    rep = lambda t, x: t if x is None else t[:i] + (x,) + t[i + 1:]
+    return self.replace(k=rep(self.k, k), v=rep(self.v, v), landmarks=rep(self.landmarks, lms))
 
   def assign_slots(self, slots, page_rows, lengths) -> "PagedKVCache":
-    """Point `slots` at `page_rows` `[n, M]` and set their lengths (out-of-range slots drop)."""
-    return self.replace(page_table=self.page_table.at[slots].set(page_rows, mode="drop"),
+    """Point `slots` at `page_rows` `[n, W]` and set their lengths (out-of-range slots drop).
+
+    The page table keeps its width M: rows are cut or zero-padded (null page) to it. (The
+    engine passes a fresh, bucketed page table to every decode chunk, so the one a prefill
+    leaves behind only matters to direct callers.)"""
+    m, w = self.page_table.shape[1], page_rows.shape[1]
+    rows = page_rows[:, :m] if w >= m else jnp.pad(page_rows, ((0, 0), (0, m - w)))
+    return self.replace(page_table=self.page_table.at[slots].set(rows, mode="drop"),
                         lengths=self.lengths.at[slots].set(lengths, mode="drop"))
 
   def write_prompt(self, layer: int, k, v, page_rows, lengths) -> "PagedKVCache":
-    """Write whole prompts `k, v [n, T, K, D]` (T a multiple of S) at positions 0..T-1."""
+    """Write whole prompts `k, v [n, T, K, D]` (T a multiple of S) at positions 0..T-1 and the
+    landmarks of their pages. Rows of `page_rows` that point at the null page (padding rows)
+    write nothing."""
     n, t, kh, d = k.shape
     s = self.page_size
     if t % s:
       raise ValueError(f"prompt block length {t} must be a multiple of page_size={s}")
     npg = t // s
     phys = page_rows[:, :npg]  # [n, npg]
-    # [n, npg, K, S, D]: the order `x.at[layer, :, phys]` expects.
-    kp = k.reshape(n, npg, s, kh, d).transpose(0, 1, 3, 2, 4).astype(self.k.dtype)
-    vp = v.reshape(n, npg, s, kh, d).transpose(0, 1, 3, 2, 4).astype(self.v.dtype)
-    new_k = self.k.at[layer, :, phys].set(kp)
-    new_v = self.v.at[layer, :, phys].set(vp)
     num_valid = jnp.clip(lengths[:, None] - jnp.arange(npg)[None, :] * s, 0, s)  # [n, npg]
-    lms = self._set_landmarks(layer, phys, kp, num_valid[:, :, None])
-    return self.replace(k=new_k, v=new_v, landmarks=lms)
+    # Pages past a prompt's end (and padding rows) are the null page: drop their writes.
+    dest = jnp.where((phys != NULL_PAGE) & (num_valid > 0), phys, self.num_pages)  # [n, npg]
+    # `x.at[:, dest]` has shape [K, n, npg, S, D].
+    kp = k.reshape(n, npg, s, kh, d).transpose(3, 0, 1, 2, 4)  # [K, n, npg, S, D]
+    vp = v.reshape(n, npg, s, kh, d).transpose(3, 0, 1, 2, 4)
+    new_k = self.k[layer].at[:, dest].set(kp.astype(self.k[layer].dtype), mode="drop")
+    new_v = self.v[layer].at[:, dest].set(vp.astype(self.v[layer].dtype), mode="drop")
+    lms = self.landmarks[layer]
+    if lms:
+      # Landmarks from the keys as stored (cache dtype), as decode would read them back.
+      stored = kp.astype(self.k[layer].dtype)
+      nv = jnp.broadcast_to(num_valid[None], stored.shape[:3])  # [K, n, npg]
+      lm = selection.compute_landmarks(stored, nv, self._kind())
+      lm = lm if isinstance(lm, tuple) else (lm,)
+      lms = tuple(old.at[:, dest].set(new, mode="drop") for old, new in zip(lms, lm))
+    return self._with_layer(layer, new_k, new_v, lms)
 
   def write_token(self, layer: int, k, v, active) -> "PagedKVCache":
-    """Write one token per slot (`k, v [B, K, D]`) at position `lengths[b]`."""
+    """Write one token per slot (`k, v [B, K, D]`) at position `lengths[b]`; inactive slots
+    write nothing. When the token completes its page, that page's landmark is written."""
     s = self.page_size
-    pos = self.lengths
+    pos = self.lengths  # [B]
     m = self.page_table.shape[1]
     logical = jnp.minimum(pos // s, m - 1)
-    phys = jnp.take_along_axis(self.page_table, logical[:, None], axis=1)[:, 0]
-    phys = jnp.where(active, phys, NULL_PAGE)  # [B]
+    phys = jnp.take_along_axis(self.page_table, logical[:, None], axis=1)[:, 0]  # [B]
     off = pos % s
-    new_k = self.k.at[layer, :, phys, off].set(k.astype(self.k.dtype))  # value [B, K, D]
-    new_v = self.v.at[layer, :, phys, off].set(v.astype(self.v.dtype))
-    out = self.replace(k=new_k, v=new_v)
-    if self.landmarks:
-      keys = new_k[layer, :, phys]  # [B, K, S, D]
-      out = out.replace(landmarks=out._set_landmarks(layer, phys, keys, (off + 1)[:, None]))
-    return out
+    oob = self.num_pages
+    dest = jnp.where(active, phys, oob)  # [B]
+    # `x.at[:, dest, off]` has shape [K, B, D].
+    new_k = self.k[layer].at[:, dest, off].set(
+        jnp.swapaxes(k, 0, 1).astype(self.k[layer].dtype), mode="drop")
+    new_v = self.v[layer].at[:, dest, off].set(
+        jnp.swapaxes(v, 0, 1).astype(self.v[layer].dtype), mode="drop")
+    lms = self.landmarks[layer]
+    if lms:
+      filled = active & (off == s - 1)  # [B]
+      keys = new_k[:, phys]  # [K, B, S, D]: one page per slot
+      nv = jnp.full(keys.shape[:2], s, jnp.int32)  # [K, B]
+      lm = selection.compute_landmarks(keys, nv, self._kind())
+      lm = lm if isinstance(lm, tuple) else (lm,)
+      lm_dest = jnp.where(filled, phys, oob)
+      lms = tuple(old.at[:, lm_dest].set(new, mode="drop") for old, new in zip(lms, lm))
+    return self._with_layer(layer, new_k, new_v, lms)
 
 
-class PageAllocator:
-  """Host-side free list of physical pages (page 0, the null page, is never handed out)."""
-
-  def __init__(self, num_pages: int):
-    if num_pages < 2:
-      raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the null page)")
-    self.num_pages = num_pages
-    # Pop from the end: low page ids are handed out first, freed pages are reused first.
-    self._free = list(range(num_pages - 1, 0, -1))
-    self.total_allocated = 0
-    self.total_freed = 0
-    self.high_water = 0
-
-  @property
-  def num_free(self) -> int:
-    return len(self._free)
-
-  @property
-  def num_used(self) -> int:
-    return self.num_pages - 1 - len(self._free)
-
-  def alloc(self, n: int) -> list[int]:
-    if n > len(self._free):
-      raise RuntimeError(
-          f"KV cache out of pages: asked for {n}, {len(self._free)} free of "
-          f"{self.num_pages - 1}; raise num_pages or lower the number of slots")
-    pages = [self._free.pop() for _ in range(n)]
-    self.total_allocated += n
-    self.high_water = max(self.high_water, self.num_used)
-    return pages
-
-  def free(self, pages) -> None:
-    for p in pages:
-      if not 0 < p < self.num_pages:
-        raise ValueError(f"free of invalid page id {p}")
-    self._free.extend(reversed(list(pages)))
-    self.total_freed += len(pages)
+def kv_bytes_per_page(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+                      dtype, landmark: str = "none") -> int:
+  """Device bytes one physical page costs over all layers: K and V in the cache dtype plus the
+  float32 landmarks. The engine sizes its pool with it and the memory planner uses the same
+  formula."""
+  if landmark not in LANDMARK_KINDS:
+    raise ValueError(f"landmark={landmark!r}: expected one of {LANDMARK_KINDS}")
+  item = np.dtype(jnp.dtype(dtype)).itemsize
+  kv = 2 * num_kv_heads * page_size * head_dim * item
+  lm = _NUM_LANDMARKS[landmark] * num_kv_heads * head_dim * 4
+  return num_layers * (kv + lm)
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

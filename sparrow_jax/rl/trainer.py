@@ -190,7 +190,8 @@ class Trainer:
         model, EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len,
                             page_size=cfg.page_size, decode_chunk=cfg.decode_chunk,
                             logprobs_topk=cfg.monitor_topk),
-        attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule)
+        attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
+        mesh=self.mesh)
     self.tx, self.lr_schedule = make_optimizer(cfg)
     self.opt_state = jax.jit(self.tx.init)(self.params)
     examples = build_examples(cfg)

@@ -58,7 +58,7 @@ def test_continuous_batching_reuses_pages_and_matches_alone(model):
   for r, o in zip(reqs, outs):
     assert len(o.token_ids) == r.sampling.max_new_tokens
     assert list(o.token_ids) == list(alone.generate([r])[0].token_ids)
-  a = eng.allocator
+  a = eng.last_scheduler.allocators[0]
   assert a.num_used == 0 and a.num_free == cfg.num_pages - 1  # everything returned
   assert a.total_allocated > cfg.num_pages - 1  # more pages handed out than exist: reuse
   assert a.high_water <= cfg.num_pages - 1

@@ -1,0 +1,250 @@
+"""Host-side scheduling of the generation engine: page allocation, admission, growth and
+recompute preemption (vLLM's policy), per device shard.
+
+The engine owns one `Scheduler`. Requests wait in one FIFO queue shared by all shards; every
+shard (one device of the rollout mesh) has `num_slots` sequence slots and its own pool of KV
+pages with its own `PageAllocator`. One loop iteration of the engine calls
+
+  1. `admit()`      queued sequences take free slots while their shard has pages for the
+                    sequence so far plus the next decode chunk (first come, first served: the
+                    head of the queue waits for pages rather than being overtaken);
+  2. `grow()`       every running sequence gets pages for its next chunk; when a shard runs
+                    out, its most recently admitted sequence is *preempted*: its pages are
+                    freed and it goes back to the front of the queue, to be readmitted later
+                    with its prompt + generated tokens recomputed by a prefill;
+  3. `finish()` / `release()` when a sequence ends (or is pruned) its slot and pages are free
+                    for the next admission.
+
+Sampling is a pure function of (request seed, position), so where and when a sequence runs,
+and how often it is preempted, does not change its tokens.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Any
+
+import numpy as np
+
+from sparrow_jax.models.kv_cache import NULL_PAGE, page_table_row, pages_for
+
+
+class PageAllocator:
+  """Free list of physical pages of one pool (page 0, the null page, is never handed out)."""
+
+  def __init__(self, num_pages: int):
+    if num_pages < 2:
+      raise ValueError(f"num_pages={num_pages}: need at least 2 (page 0 is the null page)")
+    self.num_pages = num_pages
+    # Pop from the end: low page ids are handed out first, freed pages are reused first.
+    self._free = list(range(num_pages - 1, 0, -1))
+    self.total_allocated = 0
+    self.total_freed = 0
+    self.high_water = 0
+
+  @property
+  def capacity(self) -> int:
+    """Pages that can be handed out (the pool minus the null page)."""
+    return self.num_pages - 1
+
+  @property
+  def num_free(self) -> int:
+    return len(self._free)
+
+  @property
+  def num_used(self) -> int:
+    return self.capacity - len(self._free)
+
+  def alloc(self, n: int) -> list[int]:
+    if n > len(self._free):
+      raise RuntimeError(
+          f"KV cache out of pages: asked for {n}, {len(self._free)} free of "
+          f"{self.capacity}; raise the pool size or lower the number of slots")
+    pages = [self._free.pop() for _ in range(n)]
+    self.total_allocated += n
+    self.high_water = max(self.high_water, self.num_used)
+    return pages
+
+  def free(self, pages) -> None:
+    for p in pages:
+      if not NULL_PAGE < p < self.num_pages:
+        raise ValueError(f"free of invalid page id {p}")
+    self._free.extend(reversed(list(pages)))
+    self.total_freed += len(pages)
+
+
+@dataclasses.dataclass(eq=False)
+class SeqState:
+  """One request's progress: what it generated so far and where it runs (if it runs)."""
+
+  req: Any  # engine.Request
+  index: int  # position of the request in the generate() call
+  stop_ids: frozenset
+  max_len: int  # prompt + max_new_tokens, capped at the engine's max_seq_len
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  topk_ids: list = dataclasses.field(default_factory=list)
+  topk_lps: list = dataclasses.field(default_factory=list)
+  shard: int = -1
+  slot: int = -1  # slot index within the shard; -1 while queued
+  pages: list = dataclasses.field(default_factory=list)
+  length: int = 0  # tokens held in the cache (host mirror of cache.lengths)
+  admitted_at: int = -1  # admission counter (preemption takes the largest)
+  preemptions: int = 0
+  extra: dict = dataclasses.field(default_factory=dict)  # hooks' per-sequence state
+
+  @property
+  def prompt_len(self) -> int:
+    return len(self.req.prompt_ids)
+
+  @property
+  def context(self) -> list[int]:
+    """Prompt + generated tokens: what a (re)admission prefills."""
+    return list(self.req.prompt_ids) + self.tokens
+
+  @property
+  def pending(self) -> int:
+    """The last sampled token, not yet written into the cache."""
+    return self.tokens[-1]
+
+  @property
+  def remaining(self) -> int:
+    """Tokens this sequence may still generate (max_new_tokens and context limits)."""
+    return self.max_len - self.prompt_len - len(self.tokens)
+
+
+@dataclasses.dataclass
+class SchedulerStats:
+  preemptions: int = 0
+  recomputed_tokens: int = 0  # prompt + generated tokens prefilled again after a preemption
+  admissions: int = 0
+  pool_high_water: int = 0  # pages, max over shards
+  pool_capacity: int = 0  # pages per shard
+  shard_admissions: list = dataclasses.field(default_factory=list)  # admissions per shard
+
+  def as_dict(self) -> dict[str, float]:
+    return {"preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
+            "admissions": self.admissions, "pool_high_water_pages": self.pool_high_water,
+            "pool_capacity_pages": self.pool_capacity,
+            "pool_high_water_frac": self.pool_high_water / max(self.pool_capacity, 1)}
+
+
+class Scheduler:
+  """Queue, slots and page pools of all shards (see the module docstring)."""
+
+  def __init__(self, *, num_shards: int, num_slots: int, num_pages: int, page_size: int,
+               max_pages_per_seq: int, chunk: int):
+    self.num_shards, self.num_slots = num_shards, num_slots
+    self.page_size, self.max_pages_per_seq, self.chunk = page_size, max_pages_per_seq, chunk
+    self.allocators = [PageAllocator(num_pages) for _ in range(num_shards)]
+    self.slots: list[list[SeqState | None]] = [[None] * num_slots for _ in range(num_shards)]
+    self.queue: collections.deque[SeqState] = collections.deque()
+    self._counter = itertools.count()
+    self.stats = SchedulerStats(pool_capacity=self.allocators[0].capacity,
+                                shard_admissions=[0] * num_shards)
+
+  # --- sizes ------------------------------------------------------------------------------
+  def pages_needed(self, seq: SeqState, upto_tokens: int) -> int:
+    """Pages for `upto_tokens` tokens, never more than the sequence can ever hold."""
+    cap = min(seq.max_len, self.max_pages_per_seq * self.page_size)
+    return pages_for(min(upto_tokens, cap), self.page_size)
+
+  def max_pages_of(self, seq: SeqState) -> int:
+    return self.pages_needed(seq, seq.max_len)
+
+  # --- queue ------------------------------------------------------------------------------
+  def submit(self, seqs) -> None:
+    self.queue.extend(seqs)
+
+  def running(self) -> list[SeqState]:
+    """Running sequences, oldest admission first."""
+    out = [s for shard in self.slots for s in shard if s is not None]
+    return sorted(out, key=lambda s: s.admitted_at)
+
+  def has_work(self) -> bool:
+    return bool(self.queue) or any(s is not None for shard in self.slots for s in shard)
+
+  def _free_slot_shards(self):
+    """(shard, slot) pairs that are free, spread over shards (round robin by slot index) so
+    that a small batch uses every device."""
+    for j in range(self.num_slots):
+      for d in range(self.num_shards):
+        if self.slots[d][j] is None:
+          yield d, j
+
+  def admit(self) -> list[SeqState]:
+    """Move queued sequences into free slots while pages allow (FCFS)."""
+    admitted = []
+    for d, j in self._free_slot_shards():
+      if not self.queue:
+        break
+      seq = self.queue[0]
+      length = len(seq.context)
+      need = self.pages_needed(seq, length + self.chunk)
+      alloc = self.allocators[d]
+      if need > alloc.num_free:
+        # Another shard may have room; the queue head is tried there next (same order).
+        continue
+      self.queue.popleft()
+      seq.pages = alloc.alloc(need)
+      seq.shard, seq.slot = d, j
+      seq.admitted_at = next(self._counter)
+      seq.length = 0  # set by the prefill
+      if seq.preemptions:
+        self.stats.recomputed_tokens += length
+      self.stats.admissions += 1
+      self.stats.shard_admissions[d] += 1
+      self.slots[d][j] = seq
+      admitted.append(seq)
+    self._update_high_water()
+    return admitted
+
+  def grow(self) -> list[SeqState]:
+    """Pages for every running sequence's next chunk; preempts (most recent admission first)
+    when a shard runs out. Returns the sequences that keep running, oldest first."""
+    for seq in self.running():
+      if seq.slot < 0:  # preempted earlier in this loop
+        continue
+      need = self.pages_needed(seq, seq.length + self.chunk) - len(seq.pages)
+      alloc = self.allocators[seq.shard]
+      while need > alloc.num_free:
+        victim = max((s for s in self.slots[seq.shard] if s is not None),
+                     key=lambda s: s.admitted_at)
+        self.preempt(victim)
+        if victim is seq:
+          break
+      if seq.slot >= 0 and need > 0:
+        seq.pages.extend(alloc.alloc(need))
+    self._update_high_water()
+    return self.running()
+
+  def preempt(self, seq: SeqState) -> None:
+    """Free a running sequence's slot and pages and put it at the front of the queue."""
+    self.release(seq)
+    seq.preemptions += 1
+    self.stats.preemptions += 1
+    self.queue.appendleft(seq)
+
+  def release(self, seq: SeqState) -> None:
+    """Free the slot and pages of a sequence that leaves (finished, pruned or preempted)."""
+    if seq.slot < 0:
+      return
+    self.allocators[seq.shard].free(seq.pages)
+    self.slots[seq.shard][seq.slot] = None
+    seq.pages, seq.slot, seq.length = [], -1, 0
+
+  # --- device views -------------------------------------------------------------------------
+  def page_table(self, width: int) -> np.ndarray:
+    """`[shards * slots, width]` int32 page table (local page ids; free slots -> null page)."""
+    out = np.zeros((self.num_shards * self.num_slots, width), np.int32)
+    for d, shard in enumerate(self.slots):
+      for j, s in enumerate(shard):
+        if s is not None:
+          out[d * self.num_slots + j] = page_table_row(s.pages[:width], width)
+    return out
+
+  def _update_high_water(self) -> None:
+    self.stats.pool_high_water = max(self.stats.pool_high_water,
+                                     max(a.num_used for a in self.allocators))

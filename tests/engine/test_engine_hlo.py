@@ -1,0 +1,101 @@
+"""The compiled decode step does not copy or slice the KV pool.
+
+A decode step must cost what attention reads (the sequences' own pages, or the selected pages
+plus landmarks), not the pool. The pool is the only array with `POOL` pages, so every HLO
+instruction whose result has that dimension is checked: only parameters, tuple plumbing, the
+while loop, in-place scatters (the token and landmark writes) and bitcasts may produce it.
+A `copy`, `slice`, `concatenate`, `dynamic-slice` or a fusion that materialises the pool would
+be a per-step cost proportional to the pool size.
+"""
+
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+from sparrow_jax.engine.sampling import SamplingParams
+from sparrow_jax.models.attention import BlockSparse
+from sparrow_jax.models.config import get_config
+from sparrow_jax.models.decoder import init_model
+
+POOL = 4099  # a page count no other dimension has
+_ALLOWED = {"parameter", "get-tuple-element", "tuple", "while", "scatter", "bitcast",
+            "conditional", "call"}
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s*=\s*(.+?)\s+([\w-]+)\((.*)$")
+
+
+def _computations(hlo: str) -> dict[str, list[str]]:
+  comps, name = {}, None
+  for line in hlo.splitlines():
+    m = re.match(r"^\s*(?:ENTRY\s+)?%(\S+)\s*\(.*\{\s*$", line)
+    if m:
+      name = m.group(1)
+      comps[name] = []
+    elif name is not None:
+      comps[name].append(line)
+  return comps
+
+
+def pool_sized_ops(hlo: str, pool: int) -> list[str]:
+  """Instructions that produce an array with a `pool` dimension and are not allowed to."""
+  comps = _computations(hlo)
+  roots = {}
+  for name, lines in comps.items():
+    for line in lines:
+      if line.strip().startswith("ROOT"):
+        m = _INSTR.match(line)
+        roots[name] = m.group(3) if m else "?"
+  bad = []
+  for name, lines in comps.items():
+    for line in lines:
+      m = _INSTR.match(line)
+      if not m:
+        continue
+      shape, op, rest = m.group(2), m.group(3), m.group(4)
+      dims = re.findall(r"\[([\d,]*)\]", shape.split("(")[0] if op != "tuple" else shape)
+      if not any(str(pool) in d.split(",") for d in dims):
+        continue
+      if op in _ALLOWED:
+        continue
+      if op == "fusion":
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        if called and roots.get(called.group(1)) in ("scatter", "dynamic-update-slice"):
+          continue  # an in-place update fused with its index computation
+      bad.append(f"{name}: {line.strip()[:160]}")
+  return bad
+
+
+@pytest.mark.parametrize("attention", [None, BlockSparse(max_budget=2, page_size=16,
+                                                         dense_layers=(0,))],
+                         ids=["dense", "sparse"])
+def test_decode_step_has_no_pool_sized_copy_or_slice(attention):
+  cfg = get_config("tiny", eos_token_ids=(), num_layers=3)
+  eng = GenerationEngine(init_model(cfg), EngineConfig(num_slots=4, max_seq_len=256,
+                                                       num_pages=POOL, decode_chunk=4),
+                         attention=attention)
+  eng.generate([Request([5, 6, 7] * 20, SamplingParams(temperature=0.0, max_new_tokens=8))])
+  b = 4
+  cache = eng._kv.replace(page_table=jnp.zeros((b, 8), jnp.int32))
+  args = (eng.state, cache, jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
+          jnp.ones((b,), jnp.int32), jnp.zeros((b, 1), jnp.int32), jnp.zeros((b,), jnp.int32),
+          jnp.zeros((b,)), jnp.ones((b,)), jnp.zeros((b,), jnp.int32), eng._table(), None)
+  hlo = eng._get_decode().lower(*args).compile().as_text()
+  assert f"{POOL}" in hlo  # the pool is there (as parameters / loop state)...
+  assert pool_sized_ops(hlo, POOL) == []  # ...and nothing copies or slices it
+
+
+def test_checker_flags_a_pool_copy():
+  hlo = """HloModule m
+%fused_copy (p: f32[2,4099,16,32]) -> f32[2,4099,16,32] {
+  %p = f32[2,4099,16,32]{3,2,1,0} parameter(0)
+  ROOT %c = f32[2,4099,16,32]{3,2,1,0} copy(%p)
+}
+ENTRY %main (a: f32[2,4099,16,32]) -> f32[2,4099,16,32] {
+  %a = f32[2,4099,16,32]{3,2,1,0} parameter(0)
+  %s = f32[1,4099,16,32]{3,2,1,0} slice(%a), slice={[0:1], [0:4099], [0:16], [0:32]}
+  ROOT %f = f32[2,4099,16,32]{3,2,1,0} fusion(%a), kind=kLoop, calls=%fused_copy
+}
+"""
+  bad = pool_sized_ops(hlo, POOL)
+  assert len(bad) == 3 and any("slice(" in b for b in bad) and any("copy(" in b for b in bad)

@@ -1,0 +1,161 @@
+"""Memory-sized pools, admission and recompute preemption: a preempted request's output is the
+one it would have had in a pool large enough for everyone (dense and block-sparse, greedy and
+temperature 1), plus the scheduler's bookkeeping and its errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+from sparrow_jax.engine.sampling import SamplingParams
+from sparrow_jax.engine.scheduler import Scheduler, SeqState
+from sparrow_jax.models.attention import BlockSparse
+from sparrow_jax.models.config import get_config
+from sparrow_jax.models.decoder import init_model
+from sparrow_jax.models.kv_cache import kv_bytes_per_page
+from flax import nnx
+from tests.rl.sparse_setup import sharp_tiny
+
+PAGE = 4
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def sharp_model():
+  cfg, graphdef, state = sharp_tiny(num_layers=3)
+  cfg = cfg.replace(eos_token_ids=())
+  model = init_model(cfg)
+  nnx.update(model, state)
+  return model
+
+
+def _requests(temperature):
+  rng = np.random.default_rng(0)
+  return [Request(list(rng.integers(3, 500, int(n))),
+                  SamplingParams(temperature=temperature, max_new_tokens=NEW, seed=100 + i), i)
+          for i, n in enumerate(rng.integers(8, 20, 8))]
+
+
+SPARSE = BlockSparse(max_budget=1, page_size=PAGE, dense_layers=(0,))
+
+
+@pytest.mark.parametrize("attention", [None, SPARSE], ids=["dense", "sparse"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+def test_preempted_requests_match_a_pool_that_fits_everyone(sharp_model, attention,
+                                                            temperature):
+  reqs = _requests(temperature)
+  per_req = -(-(19 + NEW) // PAGE)  # pages of the longest request
+  big = GenerationEngine(sharp_model, EngineConfig(num_slots=8, max_seq_len=64,
+                                                   page_size=PAGE, decode_chunk=4),
+                         attention=attention)
+  small = GenerationEngine(sharp_model, EngineConfig(num_slots=8, max_seq_len=64,
+                                                     page_size=PAGE, decode_chunk=4,
+                                                     num_pages=3 * per_req + 1),
+                           attention=attention)
+  ref = big.generate(reqs)
+  out = small.generate(reqs)
+  st = small.last_stats
+  assert big.last_stats["preemptions"] == 0
+  assert st["preemptions"] > 0 and st["recomputed_tokens"] > 0, st
+  assert st["pool_high_water_pages"] <= 3 * per_req
+  for r, a, b in zip(reqs, ref, out):
+    assert len(b.token_ids) == NEW
+    np.testing.assert_array_equal(b.token_ids, a.token_ids, err_msg=f"request {r.request_id}")
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-4)
+  assert sum(c.preemptions for c in out) == st["preemptions"]
+  assert all(a.num_used == 0 for a in small.last_scheduler.allocators)
+  if attention is not None:
+    # The sparse actor's outputs differ from dense ones here, so a readmission that
+    # recomputed the generated tokens with dense attention would not match.
+    dense = GenerationEngine(sharp_model, EngineConfig(num_slots=8, max_seq_len=64,
+                                                       page_size=PAGE, decode_chunk=4))
+    assert any(list(a.token_ids) != list(d.token_ids)
+               for a, d in zip(ref, dense.generate(reqs)))
+
+
+def test_request_that_can_never_fit_is_refused_before_any_work(sharp_model):
+  eng = GenerationEngine(sharp_model, EngineConfig(num_slots=2, max_seq_len=64, page_size=PAGE,
+                                                   num_pages=8))
+  ok = Request([5] * 8, SamplingParams(max_new_tokens=4), "ok")
+  big = Request([5] * 10, SamplingParams(max_new_tokens=30), "big")
+  with pytest.raises(ValueError, match=r"request 'big': prompt 10 \+ max_new_tokens 30 tokens "
+                     r"need up to 10 pages of 4 tokens, but the KV pool holds 7 pages"):
+    eng.generate([ok, big])
+  assert eng.num_compilations == 0  # nothing ran
+  assert len(eng.generate([ok])[0].token_ids) == 4  # the engine is still usable
+
+
+def test_pool_sized_by_bytes_and_by_device_memory(sharp_model):
+  cfg = sharp_model.cfg
+  per_page = kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                               head_dim=cfg.head_dim, page_size=PAGE, dtype="float32",
+                               landmark="mean")
+  eng = GenerationEngine(sharp_model, EngineConfig(num_slots=2, max_seq_len=64, page_size=PAGE,
+                                                   kv_cache_bytes=37 * per_page + 5),
+                         attention=SPARSE)
+  assert eng.pool_pages == 37
+  arrays = eng._kv.k + eng._kv.v + tuple(x for lm in eng._kv.landmarks for x in lm)
+  assert sum(a.nbytes for a in arrays) == 37 * per_page  # the formula is what is allocated
+  with pytest.raises(ValueError, match="does not report its memory"):
+    GenerationEngine(sharp_model, EngineConfig(kv_cache_memory_fraction=0.5))
+  with pytest.raises(ValueError, match="both size the KV pool"):
+    EngineConfig(num_pages=10, kv_cache_bytes=1000)
+
+
+def test_finished_sequences_stop_inside_a_chunk(sharp_model):
+  eng = GenerationEngine(sharp_model, EngineConfig(num_slots=2, max_seq_len=64, page_size=PAGE,
+                                                   decode_chunk=8))
+  p = [7] * 9
+  eng.generate([Request(p, SamplingParams(temperature=0.0, max_new_tokens=3))])
+  # The prefill samples token 1; decode steps 0 and 1 give tokens 2 and 3: the loop ends
+  # after 2 of its 8 steps because no slot is left running.
+  assert eng.last_stats["decode_steps"] == 2
+  assert eng.last_stats["wasted_decode_steps"] == 0
+  eng.generate([Request(p, SamplingParams(temperature=0.0, max_new_tokens=3)),
+                Request(p, SamplingParams(temperature=0.0, max_new_tokens=20))])
+  # The short one finishes at step 1 of the first chunk, which runs on for the long one.
+  assert eng.last_stats["wasted_decode_steps"] == 8 - 2
+
+
+class _Req:
+  def __init__(self, n, new):
+    self.prompt_ids, self.request_id = [3] * n, None
+    self.sampling = SamplingParams(max_new_tokens=new)
+
+
+def _seq(i, n, new):
+  return SeqState(req=_Req(n, new), index=i, stop_ids=frozenset(), max_len=n + new)
+
+
+def test_scheduler_admits_fcfs_and_preempts_the_latest_admission():
+  sched = Scheduler(num_shards=1, num_slots=4, num_pages=9, page_size=4, max_pages_per_seq=16,
+                    chunk=4)
+  seqs = [_seq(0, 7, 20), _seq(1, 7, 20), _seq(2, 7, 20), _seq(3, 2, 2)]
+  sched.submit(seqs)
+  admitted = sched.admit()  # 3 pages each (7 + 4 tokens): 2 fit in 8 pages, then FCFS stops
+  assert [s.index for s in admitted] == [0, 1]
+  assert [s.index for s in sched.queue] == [2, 3]  # seq 3 would fit but does not overtake
+  for s in admitted:
+    s.tokens, s.length = [9], 7
+  seqs[0].length = 20  # seq 0 needs 3 more pages, 2 are free: seq 1 (latest admission) yields
+  running = sched.grow()
+  assert [s.index for s in running] == [0]
+  assert [s.index for s in sched.queue] == [1, 2, 3]  # the preempted one goes first
+  assert seqs[1].preemptions == 1 and seqs[1].pages == [] and seqs[1].slot == -1
+  assert len(seqs[0].pages) == 6 and sched.allocators[0].num_free == 2
+  assert sched.stats.preemptions == 1
+  assert sched.admit() == []  # seq 1 needs 3 pages (7 + 1 generated + 4): it waits
+  sched.release(seqs[0])  # seq 0 finishes
+  readmitted = sched.admit()
+  assert [s.index for s in readmitted] == [1, 2, 3]
+  assert sched.stats.recomputed_tokens == 8
+
+
+def test_scheduler_spreads_a_small_batch_over_shards():
+  sched = Scheduler(num_shards=4, num_slots=2, num_pages=20, page_size=4, max_pages_per_seq=8,
+                    chunk=4)
+  sched.submit([_seq(i, 5, 5) for i in range(5)])
+  admitted = sched.admit()
+  assert [(s.shard, s.slot) for s in admitted] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1)]
+  table = sched.page_table(4)
+  assert table.shape == (8, 4) and (table[2 * 0 + 1] != 0).any() and (table[2 * 1 + 1] == 0).all()
