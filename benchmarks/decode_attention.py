@@ -1,19 +1,24 @@
 """Benchmark: dense vs block-sparse paged decode attention (one layer, one decode step).
 
-Times, on whatever backend jax has (Pallas kernel on a GPU, XLA elsewhere):
-  dense        `reference.dense_decode_reference` over every cached token (the decoder's dense
-               path; on CPU also a gather-free contiguous-cache einsum as a lower bound);
+Times, on whatever backend jax has (Pallas kernels on a GPU, XLA elsewhere):
+  dense ref    `reference.dense_decode_reference`, the float32 reference (upcasts the gathered
+               pages; the decoder's dense path before the fast path existed);
+  dense xla    `paged_decode.dense_decode_xla`: the dense XLA path (cache dtype, float32
+               accumulation; on CPU also a gather-free contiguous-cache einsum as a lower bound);
+  dense kernel `paged_decode.paged_decode`, the dense Pallas kernel (GPU only);
   score        gather the pool landmarks through the page table + `score_pages`;
   top-k        `select_pages` (lax.top_k + reserved pages);
   attention    `dispatch.sparse_decode_attention` over the selected pages;
   sparse       score + top-k + attention in one jitted step (what decode runs),
 for contexts 4K-32K and budgets 16-256 pages, batch 8, 16 query / 8 kv heads x 128
 (Qwen3-1.7B-like), page size 16, bfloat16 cache on GPU / float32 on CPU. Medians over repeats;
-prints a markdown table with the ratio sparse / dense.
+prints a markdown table with the ratio sparse / dense, where dense is what
+`dispatch.dense_decode_attention` runs on this backend (the kernel on a GPU, XLA elsewhere).
 
-On a GPU it also prints the bandwidth the Pallas sparse kernel achieves (bytes of K/V pages it
-reads / time) against a measured device copy, and times jax's own
-`jax.experimental.pallas.ops.gpu.paged_attention` on the dense case.
+On a GPU it also prints the bandwidth the Pallas kernels achieve (bytes of the K/V pages they
+read / time) against a measured device copy, and times jax's own
+`jax.experimental.pallas.ops.gpu.paged_attention` on the dense case. The one-shot GPU report
+(bandwidth at batch 64, 32K, several dense launch configs, one JSON) is `gpu_suite.py`.
 
   python benchmarks/decode_attention.py            # full table
   python benchmarks/decode_attention.py --quick    # small run (4K/8K, budgets 16/64)
@@ -35,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from sparrow_jax.pallas_kernels import dispatch, reference, selection  # noqa: E402
+from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig  # noqa: E402
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig  # noqa: E402
 
 
@@ -99,7 +105,12 @@ def main(argv=None):
         f"median of {args.repeats}; times in ms")
   rng = np.random.default_rng(0)
 
-  dense_fn = jax.jit(reference.dense_decode_reference)
+  dense_ref_fn = jax.jit(reference.dense_decode_reference)
+  dense_xla_fn = jax.jit(lambda *a: dispatch.dense_decode_attention(*a, backend="xla"))
+  # The dense kernel only where it compiles (interpret mode would time the interpreter).
+  with_kernel = backend is dispatch.Backend.PALLAS
+  dense_kernel_fn = jax.jit(lambda *a: dispatch.dense_decode_attention(
+      *a, backend=backend, config=PagedDecodeConfig()))
 
   @jax.jit
   def contiguous_dense(q, k, v):  # [B, H, D], [B, K, T, D]: no page gather (CPU lower bound)
@@ -115,16 +126,27 @@ def main(argv=None):
   score_fn = jax.jit(score_fn)
 
   rows = []
-  header = ("| context | budget | dense | score | top-k | attention | sparse | sparse/dense |"
+  header = ("| context | budget | dense ref | dense xla |"
+            + (" dense kernel | dense GB/s |" if with_kernel else "")
+            + " score | top-k | attention | sparse | sparse/dense |"
             + (" contiguous dense | sparse/contig |" if not on_gpu else
-               " kernel GB/s | % of copy | jax paged_attention |"))
+               " sparse GB/s | % of copy | jax paged_attention |"))
   print(header)
   print("|" + "---|" * (header.count("|") - 1))
   for context in args.contexts:
     case = make_case(rng, batch=args.batch, heads=args.heads, kv_heads=args.kv_heads,
                      head_dim=args.head_dim, page_size=s, context=context, dtype=dtype)
     q, k_pages, v_pages, table, lengths, lm = case
-    t_dense = median_time(dense_fn, q, k_pages, v_pages, table, lengths, repeats=args.repeats)
+    dense_args = (q, k_pages, v_pages, table, lengths)
+    t_ref = median_time(dense_ref_fn, *dense_args, repeats=args.repeats)
+    t_xla = median_time(dense_xla_fn, *dense_args, repeats=args.repeats)
+    dense_cols = f"{t_ref * 1e3:.3f} | {t_xla * 1e3:.3f} |"
+    t_dense = t_xla
+    if with_kernel:
+      t_dense = median_time(dense_kernel_fn, *dense_args, repeats=args.repeats)
+      own_pages = args.kv_heads * int(jnp.sum((lengths + s - 1) // s))
+      dense_bytes = 2 * own_pages * s * args.head_dim * jnp.dtype(dtype).itemsize
+      dense_cols += f" {t_dense * 1e3:.3f} | {dense_bytes / t_dense / 1e9:.1f} |"
     extra_dense = ""
     if on_gpu:
       from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
@@ -169,7 +191,7 @@ def main(argv=None):
                            repeats=args.repeats)
       t_sparse = median_time(step_fn, q, k_pages, v_pages, table, lengths, lm, budgets,
                              repeats=args.repeats)
-      row = (f"| {context // 1024}K | {budget} | {t_dense * 1e3:.3f} | {t_score * 1e3:.3f} | "
+      row = (f"| {context // 1024}K | {budget} | {dense_cols} {t_score * 1e3:.3f} | "
              f"{t_topk * 1e3:.3f} | {t_attn * 1e3:.3f} | {t_sparse * 1e3:.3f} | "
              f"{t_sparse / t_dense:.3f} |")
       if on_gpu:

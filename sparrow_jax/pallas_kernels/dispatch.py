@@ -1,13 +1,17 @@
-"""The one place that decides how sparse decode attention runs: Pallas kernel or XLA.
+"""The one place that decides how decode attention runs: Pallas kernel or XLA.
 
 `Backend` names the implementations; `resolve_backend` turns `AUTO` into a concrete one once
 (Pallas on a GPU, XLA elsewhere) and refuses a backend that cannot run here: there is no
-silent fallback. `sparse_decode_attention` is the entry point the decoder calls.
+silent fallback. `sparse_decode_attention` (selected pages) and `dense_decode_attention` (all of
+a sequence's pages) are the entry points the decoder calls.
 
-  XLA               `reference.sparse_decode_reference` (pure jnp, float32 softmax); the CPU
-                    path and the reference.
-  PALLAS            `sparse_decode.sparse_decode`, Triton lowering, needs a GPU.
-  PALLAS_INTERPRET  the same kernel in the Pallas interpreter (any platform; slow, for tests).
+                    sparse                                 dense
+  XLA               `reference.sparse_decode_reference`    `paged_decode.dense_decode_xla`
+                    (pure jnp, float32; also the           (cache-dtype operands, float32
+                    reference)                             accumulation; the CPU path)
+  PALLAS            `sparse_decode.sparse_decode`          `paged_decode.paged_decode`
+                    (Triton lowering, needs a GPU)         (Triton lowering, needs a GPU)
+  PALLAS_INTERPRET  the same kernels in the Pallas interpreter (any platform; slow, for tests).
 
 A Mosaic GPU kernel can be added later as another member without touching the callers.
 """
@@ -18,12 +22,14 @@ import enum
 
 import jax
 
+from sparrow_jax.pallas_kernels.paged_decode import (PagedDecodeConfig, dense_decode_xla,
+                                                     paged_decode)
 from sparrow_jax.pallas_kernels.reference import sparse_decode_reference
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig, sparse_decode
 
 
 class Backend(enum.Enum):
-  """Implementation of sparse decode attention."""
+  """Implementation of decode attention."""
   AUTO = "auto"
   XLA = "xla"
   PALLAS = "pallas"
@@ -91,5 +97,35 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx, 
     case Backend.PALLAS_INTERPRET:
       return sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
                            sm_scale=sm_scale, config=config, interpret=True)
+    case other:
+      raise AssertionError(f"unresolved backend {other}")
+
+
+def dense_decode_attention(q, k_pages, v_pages, page_table, lengths, *, backend=Backend.AUTO,
+                           sm_scale=None, config: PagedDecodeConfig | None = None):
+  """Decode attention of one token per sequence over all of its cached tokens.
+
+  Args:
+    q: [B, H, D] queries of the current token (already written into the cache).
+    k_pages, v_pages: [K, P, S, D] paged key/value pool of one layer, in the cache dtype.
+    page_table: [B, M] int32 logical -> physical page ids; M may be bucketed to the longest
+      active sequence (the XLA path reads all M columns, the kernel only each sequence's own).
+    lengths: [B] int32 tokens in the cache including the current one (0 = empty slot,
+      output 0).
+    backend: Backend or its string value (static); resolved by `resolve_backend`.
+    sm_scale: softmax scale, default 1/sqrt(D).
+    config: PagedDecodeConfig for the Pallas backends (ignored by XLA).
+  Returns:
+    [B, H, D] in q.dtype.
+  """
+  match resolve_backend(backend):
+    case Backend.XLA:
+      return dense_decode_xla(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale)
+    case Backend.PALLAS:
+      return paged_decode(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
+                          config=config, interpret=False)
+    case Backend.PALLAS_INTERPRET:
+      return paged_decode(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
+                          config=config, interpret=True)
     case other:
       raise AssertionError(f"unresolved backend {other}")

@@ -28,19 +28,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from sparrow_jax.pallas_kernels import split_k
 from sparrow_jax.pallas_kernels.reference import MASK_VALUE
-
-_MIN_DOT = 16  # Triton dot needs M, N, K >= 16
-
-
-def _is_pow2(x: int) -> bool:
-  return x > 0 and (x & (x - 1)) == 0
+from sparrow_jax.pallas_kernels.split_k import merge_partials
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,14 +53,7 @@ class SparseDecodeConfig:
   num_stages: int = 2
 
   def __post_init__(self):
-    for name in ("k_splits", "pages_per_block", "num_warps", "num_stages"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"SparseDecodeConfig.{name}={value!r}: expected a positive int")
-    for name in ("pages_per_block", "num_warps"):
-      value = getattr(self, name)
-      if not _is_pow2(value):
-        raise ValueError(f"SparseDecodeConfig.{name}={value}: expected a power of two")
+    split_k.check_launch_config(self)
 
   def slot_multiple(self) -> int:
     """Number of slots the selection is padded to a multiple of."""
@@ -144,11 +132,6 @@ def _check_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid):
     raise ValueError(f"page_idx.shape={page_idx.shape}: expected [B={b}, K={kvh}, N]")
   if valid.shape != page_idx.shape:
     raise ValueError(f"valid.shape={valid.shape}: expected page_idx.shape={page_idx.shape}")
-  if not _is_pow2(d) or d < _MIN_DOT:
-    raise ValueError(f"head_dim={d}: the Pallas Triton kernel needs a power of two >= 16 "
-                     "(use the XLA backend for other head dims)")
-  if not _is_pow2(s):
-    raise ValueError(f"page_size={s}: the Pallas Triton kernel needs a power of two")
 
 
 def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *,
@@ -167,17 +150,12 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
   config = SparseDecodeConfig() if config is None else config
   b, h, d = q.shape
   kvh, _, s, _ = k_pages.shape
-  g = h // kvh
   ppb, splits = config.pages_per_block, config.k_splits
-  if ppb * s < _MIN_DOT:
-    raise ValueError(f"pages_per_block * page_size = {ppb} * {s}: expected >= {_MIN_DOT} "
-                     "key rows per compute block")
+  split_k.check_kernel_dims(d, s, ppb)
   if sm_scale is None:
     sm_scale = d ** -0.5
-  rows = max(_MIN_DOT, 1 << (g - 1).bit_length())  # GQA group padded for plgpu.dot
-  q_rows = q.reshape(b, kvh, g, d)
-  if rows != g:
-    q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [B, K, Gp, D]
+  q_rows = split_k.padded_queries(q, kvh)  # [B, K, Gp, D] GQA group padded for plgpu.dot
+  rows = q_rows.shape[2]
 
   # Pad the slots to whole blocks in every split; padded slots are invalid and hold page 0.
   n = page_idx.shape[-1]
@@ -191,16 +169,7 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
   last = jnp.max(valid * (jnp.arange(n_pad, dtype=jnp.int32) + 1), axis=-1)  # [B, K]
   active = (last + ppb - 1) // ppb  # [B, K]
 
-  out_shape = [
-      jax.ShapeDtypeStruct((b, kvh, splits, rows, d), jnp.float32),  # o
-      jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),  # l
-      jax.ShapeDtypeStruct((b, kvh, splits, rows), jnp.float32),  # m
-  ]
-  out_specs = [
-      pl.BlockSpec((None, None, None, rows, d), lambda i, j, r: (i, j, r, 0, 0)),
-      pl.BlockSpec((None, None, None, rows), lambda i, j, r: (i, j, r, 0)),
-      pl.BlockSpec((None, None, None, rows), lambda i, j, r: (i, j, r, 0)),
-  ]
+  out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, rows, d)
   in_specs = [
       pl.BlockSpec((None, None, rows, d), lambda i, j, r: (i, j, 0, 0)),  # q
       pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
@@ -213,15 +182,8 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
   ]
   args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32),
           lengths.astype(jnp.int32), page_idx, valid, active]
-  aliases = {}
-  if poison is not None:
-    for i, (buf, shape) in enumerate(zip(poison, out_shape)):
-      if buf.shape != shape.shape or buf.dtype != shape.dtype:
-        raise ValueError(f"poison[{i}] {buf.shape} {buf.dtype}: expected {shape.shape} "
-                         f"{shape.dtype}")
-      aliases[len(args)] = i
-      args.append(buf)
-    in_specs = in_specs + out_specs
+  args, in_specs, aliases = split_k.alias_poison(poison, args, in_specs, out_shape,
+                                                  out_specs)
   kernel = functools.partial(_sparse_decode_kernel, sm_scale=float(sm_scale),
                              pages_per_block=ppb, k_splits=splits)
   return pl.pallas_call(
@@ -236,27 +198,6 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
       interpret=interpret,
       name="sparse_paged_decode",
   )(*args)
-
-
-def merge_partials(o, l, m, num_heads: int):
-  """Merges per-split flash-decoding partials into the attention output.
-
-  Args:
-    o: [B, K, R, Gp, D] unnormalised outputs; l, m: [B, K, R, Gp] running sum / max.
-    num_heads: H, the number of real query heads (K * G rows are kept).
-  Returns:
-    [B, H, D] float32; 0 for a row that saw no valid token.
-  """
-  b, kvh, _, _, d = o.shape
-  g = num_heads // kvh
-  o, l, m = o[..., :g, :], l[..., :g], m[..., :g]
-  m_all = jnp.max(m, axis=2, keepdims=True)  # [B, K, 1, G]
-  corr = jnp.exp(m - m_all)  # [B, K, R, G]
-  l_all = jnp.sum(l * corr, axis=2)  # [B, K, G]
-  o_all = jnp.sum(o * corr[..., None], axis=2)  # [B, K, G, D]
-  out = jnp.where(l_all[..., None] > 0, o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None],
-                  0.0)
-  return out.reshape(b, num_heads, d)
 
 
 def sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *, sm_scale=None,

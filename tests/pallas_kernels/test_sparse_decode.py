@@ -17,37 +17,9 @@ from sparrow_jax.pallas_kernels import dispatch
 from sparrow_jax.pallas_kernels import reference
 from sparrow_jax.pallas_kernels import selection
 from sparrow_jax.pallas_kernels import sparse_decode as sd
+from tests.pallas_kernels.paged_cases import dot_types, make_cache, triton_kernels
 
 PAGE = 16
-
-
-def make_cache(rng, *, batch, heads, kv_heads, head_dim, lengths, max_pages, dtype,
-               spare_pages=5):
-  """Random paged cache: distinct physical pages per sequence, page 0 reserved (null), large
-  garbage in the null page, unallocated pages and rows past the length (must be masked)."""
-  b = batch
-  used = [-(-int(n) // PAGE) for n in lengths]
-  p = 1 + sum(used) + spare_pages
-  k_pages = rng.standard_normal((kv_heads, p, PAGE, head_dim))
-  v_pages = rng.standard_normal((kv_heads, p, PAGE, head_dim))
-  perm = rng.permutation(np.arange(1, p))
-  table = np.zeros((b, max_pages), np.int32)
-  start = 0
-  for i, n in enumerate(used):
-    table[i, :n] = perm[start:start + n]
-    last = table[i, n - 1]
-    rows = int(lengths[i]) - (n - 1) * PAGE
-    k_pages[:, last, rows:] = 50.0  # unwritten rows of the partial page
-    v_pages[:, last, rows:] = 1e3
-    start += n
-  for spare in perm[start:]:
-    v_pages[:, spare] = -1e3
-  k_pages[:, 0] = 40.0
-  v_pages[:, 0] = 1e4
-  q = rng.standard_normal((b, heads, head_dim))
-  as_j = lambda x: jnp.asarray(x, dtype)
-  return (as_j(q), as_j(k_pages), as_j(v_pages), jnp.asarray(table),
-          jnp.asarray(np.asarray(lengths, np.int32)))
 
 
 def numpy_sparse_decode(q, k_pages, v_pages, table, lengths, page_idx, valid):
@@ -238,8 +210,9 @@ def test_budget_change_does_not_recompile(backend):
 
 
 def test_triton_lowering_for_gpu():
-  """Lower the kernel for CUDA (the Triton lowering runs on CPU): catches non-power-of-two
-  blocks and unsupported ops that the interpreter accepts."""
+  """Export the kernel for CUDA (the Triton lowering runs on CPU) and read its Triton IR:
+  catches non-power-of-two blocks and unsupported ops that the interpreter accepts, and checks
+  that both dots take the cache dtype and accumulate in float32."""
   for group, head_dim, dtype, config in (
       (1, 64, jnp.float32, sd.SparseDecodeConfig(k_splits=4, pages_per_block=1)),
       (8, 128, jnp.bfloat16, sd.SparseDecodeConfig()),
@@ -251,9 +224,10 @@ def test_triton_lowering_for_gpu():
             jax.ShapeDtypeStruct((b, m), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
             jax.ShapeDtypeStruct((b, kvh, n), jnp.int32),
             jax.ShapeDtypeStruct((b, kvh, n), jnp.bool_))
-    fn = jax.jit(functools.partial(sd.sparse_decode, config=config))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "triton" in text
+    kernels = triton_kernels(functools.partial(sd.sparse_decode, config=config), *args)
+    assert list(kernels) == ["sparse_paged_decode"]
+    cache = "f32" if dtype == jnp.float32 else "bf16"
+    assert dot_types(kernels["sparse_paged_decode"]) == [(cache, cache, "f32")] * 2
 
 
 def test_input_validation():

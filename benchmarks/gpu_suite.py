@@ -1,0 +1,470 @@
+"""One-shot GPU suite: kernel checks, bandwidths and the dense baseline, into one JSON file.
+
+    python benchmarks/gpu_suite.py --out gpu_suite.json              # one H200, < 8 minutes
+    python benchmarks/gpu_suite.py --sections a,c --out part.json    # some sections only
+    python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json     # CPU, interpret mode
+
+Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
+  a kernels_vs_reference  compiled sparse and dense kernels (and the dense XLA path) against
+                          the float32 references at a few realistic shapes; fails the run on a
+                          mismatch.
+  b copy_bandwidth        device memory bandwidth of an elementwise pass over a large buffer
+                          (bytes read + written / time): the roofline the kernels are held to.
+  c sparse_bandwidth      the sparse kernel at batch 64, 32K context, Qwen3-1.7B attention
+                          (16 q / 8 kv heads x 128, bf16 cache, page 16), budgets 64-512 pages:
+                          bytes of the selected K/V pages / kernel time, and as % of (b); also
+                          the whole sparse step (page scoring + top-k + kernel).
+  d dense_baseline        dense paged decode at the same shape: our kernel (a few launch
+                          configs), jax's `pallas.ops.gpu.paged_attention` and the XLA path, in
+                          ms and GB/s of the sequences' own K/V pages.
+A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
+its numbers. Every section gets a time guard (its budget, capped by what is left of
+`--budget-s`): a measurement that would start past it is recorded under "skipped" instead, so
+the whole run stays under 8 minutes. Timings are medians over `repeats` of `inner` back-to-back
+calls after a warm-up (compile) call, with block_until_ready around each repeat.
+
+The JSON holds `meta` (date, jax / jaxlib / plugin versions, device, platform version, argv)
+and one entry per section: status ("ok", "partial" when the guard skipped something, "failed"
+on a check mismatch, "error" with the traceback), wall seconds and its numbers. It is rewritten
+after every section, so a run cut short keeps what it measured. Exit status: 0 when no section
+failed or errored, 1 otherwise, 2 for bad arguments.
+
+`--smoke` runs every section at tiny shapes on CPU with the kernels in interpret mode (seconds):
+the CI check that the suite itself works. The full run needs a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from typing import Callable
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from sparrow_jax.pallas_kernels import dispatch, reference, selection  # noqa: E402
+from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig  # noqa: E402
+from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sizes:
+  """Shapes and repeat counts of one run (full GPU run or CPU smoke)."""
+  batch: int
+  heads: int
+  kv_heads: int
+  head_dim: int
+  page_size: int
+  context: int
+  budgets: tuple[int, ...]
+  check_shapes: tuple[tuple[int, ...], ...]  # (batch, heads, kv_heads, head_dim, context)
+  check_budget: int
+  copy_mib: int
+  repeats: int
+  inner: int
+  sparse_config: SparseDecodeConfig
+  dense_configs: tuple[PagedDecodeConfig, ...]  # the first is the default
+  jax_paged: dict  # launch arguments of jax's paged_attention
+
+
+FULL = Sizes(
+    batch=64, heads=16, kv_heads=8, head_dim=128, page_size=16, context=32768,
+    budgets=(64, 128, 256, 512),
+    check_shapes=((8, 16, 8, 128, 8192), (4, 32, 8, 128, 4096), (4, 16, 2, 64, 2048)),
+    check_budget=64, copy_mib=4096, repeats=7, inner=5,
+    sparse_config=SparseDecodeConfig(),
+    dense_configs=(PagedDecodeConfig(),
+                   PagedDecodeConfig(k_splits=4), PagedDecodeConfig(k_splits=16),
+                   PagedDecodeConfig(pages_per_block=4), PagedDecodeConfig(pages_per_block=16),
+                   PagedDecodeConfig(num_warps=8), PagedDecodeConfig(num_stages=3)),
+    jax_paged=dict(k_splits=16, pages_per_compute_block=8))
+
+SMOKE = Sizes(  # every code path once, at the smallest shapes the kernels accept
+    batch=2, heads=16, kv_heads=2, head_dim=16, page_size=16, context=128, budgets=(1, 2),
+    check_shapes=((2, 16, 2, 16, 128),), check_budget=2, copy_mib=4, repeats=2, inner=1,
+    sparse_config=SparseDecodeConfig(k_splits=2, pages_per_block=1),
+    dense_configs=(PagedDecodeConfig(k_splits=2, pages_per_block=1),),
+    jax_paged=dict(k_splits=2, pages_per_compute_block=1))
+
+
+class Run:
+  """What the sections share: sizes, backend, cache dtype, the time guard and a cache of
+  built inputs / measured copy bandwidth."""
+
+  def __init__(self, sizes: Sizes, smoke: bool, budget_s: float):
+    self.sizes = sizes
+    self.smoke = smoke
+    self.backend = dispatch.Backend.PALLAS_INTERPRET if smoke else dispatch.Backend.PALLAS
+    self.dtype = jnp.bfloat16
+    self.total_deadline = time.monotonic() + budget_s
+    self.deadline = self.total_deadline
+    self.skipped: list[str] = []
+    self.cache: dict = {}
+
+  def start_section(self, budget_s: float):
+    self.deadline = min(time.monotonic() + budget_s, self.total_deadline)
+    self.skipped = []
+
+  def has_time(self, label: str) -> bool:
+    """False (and `label` recorded as skipped) once the section's guard has passed."""
+    if time.monotonic() < self.deadline:
+      return True
+    self.skipped.append(label)
+    return False
+
+  def time_ms(self, fn, *args) -> float:
+    """Median ms per call: warm-up (compile) excluded, `inner` calls per timed repeat."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(self.sizes.repeats):
+      start = time.perf_counter()
+      for _ in range(self.sizes.inner):
+        out = fn(*args)
+      jax.block_until_ready(out)
+      times.append((time.perf_counter() - start) / self.sizes.inner)
+    return 1e3 * statistics.median(times)
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+  letter: str
+  name: str
+  budget_s: float
+  run: Callable[[Run], dict]
+
+
+SECTIONS: dict[str, Section] = {}
+
+
+def section(letter: str, name: str, budget_s: float):
+  """Registers a section; its function takes the Run and returns a JSON-able dict."""
+  def register(fn):
+    SECTIONS[letter] = Section(letter, name, budget_s, fn)
+    return fn
+  return register
+
+
+class CheckFailed(Exception):
+  """A kernel disagrees with its reference; the section records it and the run exits 1."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def paged_case(run: Run, *, batch, heads, kv_heads, head_dim, context, seed=0, mixed=False):
+  """Random paged cache of `batch` sequences in shuffled physical pages (page 0 is the null
+  page). Lengths are context - 3 (a partial last page), or with `mixed` spread over
+  [1, context] with one sequence of length 1 and one spanning the whole table.
+
+  Returns q [B, H, D], k_pages, v_pages [K, P, S, D], table [B, M] int32, lengths [B] int32.
+  """
+  s = run.sizes.page_size
+  m = -(-context // s)
+  p = batch * m + 1
+  rng = np.random.default_rng(seed)
+  kk, kv, kq = jax.random.split(jax.random.key(seed), 3)
+  k_pages = jax.random.normal(kk, (kv_heads, p, s, head_dim), run.dtype)
+  v_pages = jax.random.normal(kv, (kv_heads, p, s, head_dim), run.dtype)
+  q = jax.random.normal(kq, (batch, heads, head_dim), run.dtype)
+  table = jnp.asarray(1 + rng.permutation(batch * m).reshape(batch, m), jnp.int32)
+  if mixed:
+    lengths = rng.integers(1, context + 1, batch)
+    lengths[0], lengths[-1] = context, 1
+  else:
+    lengths = np.full(batch, context - 3)
+  return q, k_pages, v_pages, table, jnp.asarray(lengths, jnp.int32)
+
+
+def selected_pages(run: Run, case, budgets, max_budget):
+  """Mean-landmark page selection of `case` for the sparse kernel: (page_idx, valid)."""
+  q, k_pages, _, table, lengths = case
+  s = run.sizes.page_size
+  lm = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], s), "mean")
+  return selection.select_decode_pages(
+      q, lm, table, lengths, jnp.asarray(budgets, jnp.int32), kind="mean",
+      max_budget=max_budget, page_size=s, slot_multiple=run.sizes.sparse_config.slot_multiple())
+
+
+def bench_case(run: Run):
+  """The section c/d shape, built once per run."""
+  if "bench_case" not in run.cache:
+    z = run.sizes
+    run.cache["bench_case"] = jax.block_until_ready(paged_case(
+        run, batch=z.batch, heads=z.heads, kv_heads=z.kv_heads, head_dim=z.head_dim,
+        context=z.context, seed=1))
+  return run.cache["bench_case"]
+
+
+def page_bytes(run: Run, num_pages) -> int:
+  """Bytes of K and V in `num_pages` (kv head, page) pairs."""
+  z = run.sizes
+  return 2 * int(num_pages) * z.page_size * z.head_dim * jnp.dtype(run.dtype).itemsize
+
+
+def copy_gbps(run: Run) -> float:
+  if "copy_gbps" not in run.cache:
+    n = run.sizes.copy_mib * 2 ** 20 // jnp.dtype(run.dtype).itemsize
+    x = jax.block_until_ready(jnp.ones((n,), run.dtype))
+    ms = run.time_ms(jax.jit(lambda a: a * 2), x)  # exact in bf16, cannot be elided
+    run.cache["copy_gbps"] = 2 * x.nbytes / ms / 1e6
+    run.cache["copy_ms"] = ms
+    del x
+  return run.cache["copy_gbps"]
+
+
+def _rel_err(out, want) -> float:
+  out, want = np.asarray(out, np.float64), np.asarray(want, np.float64)
+  return float(np.max(np.abs(out - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+
+
+@section("a", "kernels_vs_reference", budget_s=90)
+def kernels_vs_reference(run: Run) -> dict:
+  tol = 2e-2  # bf16 cache, float32 accumulation
+  z = run.sizes
+  checks = []
+  for i, (batch, heads, kv_heads, head_dim, context) in enumerate(z.check_shapes):
+    label = f"B={batch} H={heads} K={kv_heads} D={head_dim} ctx={context}"
+    if not run.has_time(label):
+      continue
+    case = paged_case(run, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                      context=context, seed=10 + i, mixed=True)
+    budgets = np.random.default_rng(i).integers(0, z.check_budget + 1, batch)
+    page_idx, valid = selected_pages(run, case, budgets, z.check_budget)
+    # References with a float32 query return float32: the check sees the kernels' error,
+    # not the rounding of the output to bf16.
+    q32 = case[0].astype(jnp.float32)
+    dense_ref = jax.jit(reference.dense_decode_reference)(q32, *case[1:])
+    sparse_ref = jax.jit(reference.sparse_decode_reference)(q32, *case[1:], page_idx, valid)
+    outs = {
+        "dense_kernel": jax.jit(functools.partial(
+            dispatch.dense_decode_attention, backend=run.backend,
+            config=z.dense_configs[0]))(*case),
+        "dense_xla": jax.jit(functools.partial(dispatch.dense_decode_attention,
+                                               backend="xla"))(*case),
+        "sparse_kernel": jax.jit(functools.partial(
+            dispatch.sparse_decode_attention, backend=run.backend,
+            config=z.sparse_config))(*case, page_idx, valid),
+    }
+    for impl, out in outs.items():
+      want = sparse_ref if impl.startswith("sparse") else dense_ref
+      err = _rel_err(out, want)
+      checks.append(dict(shape=label, impl=impl, rel_err=err, ok=bool(err <= tol)))
+  result = dict(tolerance=tol, checks=checks)
+  bad = [c for c in checks if not c["ok"]]
+  if bad:
+    raise CheckFailed(json.dumps(bad))
+  return result
+
+
+@section("b", "copy_bandwidth", budget_s=30)
+def copy_bandwidth(run: Run) -> dict:
+  gbps = copy_gbps(run)
+  return dict(buffer_mib=run.sizes.copy_mib, ms=run.cache["copy_ms"], gbps=gbps,
+              note="x * 2 over a bf16 buffer: bytes read + written / time")
+
+
+@section("c", "sparse_bandwidth", budget_s=120)
+def sparse_bandwidth(run: Run) -> dict:
+  z = run.sizes
+  case = bench_case(run)
+  copy = copy_gbps(run)
+  lm = selection.compute_landmarks(case[1], jnp.full(case[1].shape[:2], z.page_size), "mean")
+  rows = []
+  for budget in z.budgets:
+    if not run.has_time(f"budget {budget}"):
+      continue
+    budgets = jnp.full((z.batch,), budget, jnp.int32)
+    page_idx, valid = selected_pages(run, case, budgets, budget)
+    attend = jax.jit(functools.partial(dispatch.sparse_decode_attention, backend=run.backend,
+                                       config=z.sparse_config))
+    kernel_ms = run.time_ms(attend, *case, page_idx, valid)
+
+    def step(q, k_pages, v_pages, table, lengths, lm, budgets, max_budget):
+      idx, ok = selection.select_decode_pages(
+          q, lm, table, lengths, budgets, kind="mean", max_budget=max_budget,
+          page_size=z.page_size, slot_multiple=z.sparse_config.slot_multiple())
+      return dispatch.sparse_decode_attention(q, k_pages, v_pages, table, lengths, idx, ok,
+                                              backend=run.backend, config=z.sparse_config)
+
+    step_ms = run.time_ms(jax.jit(functools.partial(step, max_budget=budget)), *case, lm,
+                          budgets)
+    nbytes = page_bytes(run, valid.sum())
+    gbps = nbytes / kernel_ms / 1e6
+    rows.append(dict(budget=budget, selected_pages=int(valid.sum()), kv_bytes=nbytes,
+                     kernel_ms=kernel_ms, kernel_gbps=gbps, pct_of_copy=100 * gbps / copy,
+                     step_ms=step_ms))
+  return dict(shape=_bench_shape(run), config=dataclasses.asdict(z.sparse_config),
+              copy_gbps=copy, rows=rows)
+
+
+@section("d", "dense_baseline", budget_s=150)
+def dense_baseline(run: Run) -> dict:
+  from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+  z = run.sizes
+  case = bench_case(run)
+  q, k_pages, v_pages, table, lengths = case
+  copy = copy_gbps(run)
+  own_pages = z.kv_heads * int(jnp.sum((lengths + z.page_size - 1) // z.page_size))
+  nbytes = page_bytes(run, own_pages)
+  rows, outs = [], {}
+
+  def record(impl, fn, config=None):
+    if not run.has_time(impl if config is None else f"{impl} {config}"):
+      return
+    ms = run.time_ms(fn, *case)
+    if impl not in outs:
+      outs[impl] = fn(*case)
+    rows.append(dict(impl=impl, config=config, ms=ms, gbps=nbytes / ms / 1e6,
+                     pct_of_copy=100 * nbytes / ms / 1e6 / copy))
+
+  for config in z.dense_configs:
+    record("dense_kernel", jax.jit(functools.partial(
+        dispatch.dense_decode_attention, backend=run.backend, config=config)),
+        dataclasses.asdict(config))
+  scale = z.head_dim ** -0.5  # jax's kernel applies no softmax scale: fold it into q
+
+  def jax_kernel(q, k_pages, v_pages, table, lengths):
+    return jax_paged.paged_attention(q * jnp.asarray(scale, q.dtype), k_pages, v_pages, table,
+                                     lengths, interpret=run.smoke, **z.jax_paged)
+
+  record("jax_paged_attention", jax.jit(jax_kernel), dict(z.jax_paged))
+  record("dense_xla", jax.jit(functools.partial(dispatch.dense_decode_attention,
+                                                backend="xla")))
+  agreement = {impl: _rel_err(out, outs["dense_xla"]) for impl, out in outs.items()
+               if "dense_xla" in outs and impl != "dense_xla"}
+  return dict(shape=_bench_shape(run), own_kv_bytes=nbytes, copy_gbps=copy, rows=rows,
+              rel_diff_vs_xla=agreement)
+
+
+def _bench_shape(run: Run) -> dict:
+  z = run.sizes
+  return dict(batch=z.batch, heads=z.heads, kv_heads=z.kv_heads, head_dim=z.head_dim,
+              page_size=z.page_size, context=z.context, dtype=jnp.dtype(run.dtype).name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+
+def _versions() -> dict:
+  out = {"jax": jax.__version__, "python": platform.python_version()}
+  for dist in importlib.metadata.distributions():
+    name = dist.metadata["Name"] or ""
+    if name.startswith(("jaxlib", "jax-cuda", "jax_cuda", "jax-triton")):
+      out[name] = dist.version
+  return out
+
+
+def meta(argv) -> dict:
+  dev = jax.devices()[0]
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              versions=_versions(), backend=jax.default_backend(), device=dev.device_kind,
+              device_count=jax.device_count(), platform_version=dev.client.platform_version,
+              host=platform.machine(), cpus=os.cpu_count(), argv=list(argv))
+
+
+def _write(path, record):
+  tmp = f"{path}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(record, f, indent=1)
+  os.replace(tmp, path)
+
+
+def parse_sections(text: str) -> list[Section]:
+  by_name = {s.name: s for s in SECTIONS.values()}
+  chosen = []
+  for item in (t.strip() for t in text.split(",") if t.strip()):
+    found = SECTIONS.get(item) or by_name.get(item)
+    if found is None:
+      raise ValueError(f"--sections item {item!r}: expected one of "
+                       f"{[f'{s.letter} ({s.name})' for s in SECTIONS.values()]}")
+    if found not in chosen:
+      chosen.append(found)
+  if not chosen:
+    raise ValueError(f"--sections={text!r}: expected at least one section")
+  return chosen
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--out", required=True, help="JSON file to write")
+  ap.add_argument("--sections", default=",".join(SECTIONS),
+                  help="comma-separated section letters or names (default: all)")
+  ap.add_argument("--smoke", action="store_true",
+                  help="tiny shapes on CPU, kernels in interpret mode")
+  ap.add_argument("--budget-s", type=float, default=450.0,
+                  help="time guard of the whole run in seconds (default 450)")
+  args = ap.parse_args(argv)
+  try:
+    chosen = parse_sections(args.sections)
+  except ValueError as e:
+    print(f"gpu_suite: {e}", file=sys.stderr)
+    return 2
+  out_dir = os.path.dirname(os.path.abspath(args.out))
+  if not os.path.isdir(out_dir):
+    print(f"gpu_suite: --out={args.out!r}: directory {out_dir} does not exist", file=sys.stderr)
+    return 2
+  if not args.budget_s > 0:
+    print(f"gpu_suite: --budget-s={args.budget_s}: expected > 0", file=sys.stderr)
+    return 2
+  if not args.smoke and jax.default_backend() != "gpu":
+    print(f"gpu_suite: the full suite needs a GPU (jax backend is {jax.default_backend()!r}); "
+          "use --smoke on CPU", file=sys.stderr)
+    return 2
+
+  run = Run(SMOKE if args.smoke else FULL, args.smoke, args.budget_s)
+  record = dict(meta=meta(argv), smoke=args.smoke, sections={})
+  _write(args.out, record)
+  t_start = time.monotonic()
+  for sec in chosen:
+    key = f"{sec.letter}_{sec.name}"
+    run.start_section(sec.budget_s)
+    t0 = time.monotonic()
+    entry: dict = {}
+    if time.monotonic() >= run.total_deadline:
+      entry = dict(status="skipped", reason="run time guard (--budget-s) reached")
+    else:
+      try:
+        entry = dict(status="ok", results=sec.run(run))
+      except CheckFailed as e:
+        entry = dict(status="failed", error=str(e))
+      except Exception:  # noqa: BLE001  a section's crash is recorded; the others still run
+        entry = dict(status="error", error=traceback.format_exc())
+      if run.skipped:
+        entry["skipped"] = list(run.skipped)
+        if entry["status"] == "ok":
+          entry["status"] = "partial"
+    entry["wall_s"] = round(time.monotonic() - t0, 2)
+    record["sections"][key] = entry
+    record["wall_s"] = round(time.monotonic() - t_start, 2)
+    _write(args.out, record)
+    print(f"[{sec.letter}] {sec.name}: {entry['status']} ({entry['wall_s']} s)", flush=True)
+    if entry["status"] in ("failed", "error"):
+      print(entry["error"], file=sys.stderr)
+  print(f"wrote {args.out}")
+  return 1 if any(e["status"] in ("failed", "error")
+                  for e in record["sections"].values()) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,254 @@
+"""Dense paged decode attention: a Pallas (Triton lowering) kernel and an XLA path.
+
+Both implement the contract of `reference.dense_decode_reference`: one query token per sequence
+attends to all `lengths[b]` tokens of its own pages. They are the dense baseline every sparse
+speedup is measured against, and the attention of the layers the schedule keeps dense, so they
+read only what dense attention needs, in the cache dtype, accumulating in float32.
+
+`paged_decode` (the kernel) is flash-decoding over a sequence's own pages: one program per
+(sequence b, kv head k, split s). The sequence's n = ceil(lengths[b] / S) logical pages are cut
+into blocks of `pages_per_block` pages; split s takes blocks s, s + k_splits, s + 2 k_splits, ...
+(block-cyclic, so a short sequence still spreads over every split) and its trip count comes
+from lengths[b], never from the page-table width M: cost follows the sequence's length, not M
+and not the pool size P. Inside a block the physical page ids are read from the page table and
+the K/V pages gathered from the pool, all inside the kernel. The GQA group (G query heads of kv
+head k) is padded to 16 rows for `plgpu.dot`; K/V stay in the cache dtype, the dots and the
+running max / sum / output are float32; masked logits are `MASK_VALUE` (finite) and masked
+probabilities exactly 0. The splits are merged in XLA by `split_k.merge_partials`.
+
+`dense_decode_xla` is the XLA path (the CPU backend): it gathers only the M page-table columns
+it is given (the engine buckets M to the longest active sequence), keeps the gathered K/V in
+the cache dtype and runs two grouped-GQA einsums with float32 accumulation
+(`preferred_element_type`), no upcast copy and no repeat of K/V.
+
+Both round the query to the cache dtype (a tensor-core dot takes one operand dtype) and the
+unnormalised probabilities to it before the P.V product, as flash attention does; the float32
+`reference.dense_decode_reference` upcasts everything instead and stays the yardstick.
+A sequence with lengths[b] = 0 (an empty slot) gets output 0 from both.
+
+Triton rules kept by construction (interpret mode would not catch them): every array loaded,
+stored or computed has power-of-two dims (head dim and page size are checked, the GQA group is
+padded, pages_per_block is a power of two); page-table reads past the sequence's last page are
+clamped to it, so no load leaves the table (the duplicated page is masked).
+
+Axis legend: B batch, H query heads, K kv heads, G = H // K, Gp padded group, P physical pages,
+M logical pages per sequence (page-table width), S page size, D head dim, R = k_splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from sparrow_jax.pallas_kernels import split_k
+from sparrow_jax.pallas_kernels.reference import MASK_VALUE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedDecodeConfig:
+  """Static launch parameters of the dense paged decode kernel.
+
+  k_splits: splits of a sequence's pages (flash-decoding split-K); with B * K programs per
+    split, 8 splits keep an H200's 132 SMs busy from batch 4 up at 8 kv heads.
+  pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
+    (a power of two, >= 16); 8 pages of 16 tokens = 128 rows, a 128 x 128 bf16 tile.
+  num_warps, num_stages: Triton launch parameters.
+  """
+  k_splits: int = 8
+  pages_per_block: int = 8
+  num_warps: int = 4
+  num_stages: int = 2
+
+  def __post_init__(self):
+    split_k.check_launch_config(self)
+
+
+def _paged_decode_kernel(
+    q_ref,           # [Gp, D] queries of the group (rows >= G are zero padding)
+    k_ref,           # [P, S, D] key pool of this kv head
+    v_ref,           # [P, S, D] value pool of this kv head
+    page_table_ref,  # [M] int32 logical -> physical ids of this sequence
+    length_ref,      # [] int32 tokens in the cache of this sequence
+    *refs,           # (aliased poison inputs,) then outputs o [Gp, D], l [Gp], m [Gp]
+    sm_scale: float,
+    pages_per_block: int,
+    k_splits: int,
+):
+  o_ref, l_ref, m_ref = refs[-3:]
+  split = pl.program_id(2)
+  rows, head_dim = q_ref.shape
+  page_size = k_ref.shape[1]
+  table_width = page_table_ref.shape[0]
+  block_k = pages_per_block * page_size
+  # Tokens past the page table cannot be attended: clamp (the reference masks them too).
+  length = jnp.minimum(length_ref[()], table_width * page_size)
+  num_pages = (length + page_size - 1) // page_size
+  num_blocks = (num_pages + pages_per_block - 1) // pages_per_block
+  q = q_ref[...]  # [Gp, D]
+
+  def body(t, carry):
+    o_prev, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] float32
+    first = (t * k_splits + split) * pages_per_block  # first logical page of the block
+    logical = first + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)  # [ppb]
+    # The last block may run past the sequence's pages: read its last page again (masked
+    # below) rather than a table entry that may not exist.
+    phys = page_table_ref[jnp.minimum(logical, num_pages - 1)]  # [ppb] physical page ids
+    k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D] cache dtype
+    v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
+    logits = plgpu.dot(q, k, trans_b=True) * sm_scale  # [Gp, ppb*S] float32
+    pos = first * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, ppb*S]
+    tok_ok = pos < length
+    logits = jnp.where(tok_ok, logits, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, logits.max(axis=-1))  # [Gp]
+    corr = jnp.exp(m_prev - m_next)  # [Gp]
+    p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
+    l_next = corr * l_prev + p.sum(axis=-1)
+    o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+    return o_next, m_next, l_next
+
+  # Blocks of this split: split, split + k_splits, ... below the sequence's block count.
+  trips = jnp.maximum(num_blocks - split + k_splits - 1, 0) // k_splits
+  o0 = jnp.zeros((rows, head_dim), jnp.float32)
+  m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+  l0 = jnp.zeros((rows,), jnp.float32)
+  o, m, l = lax.fori_loop(0, trips, body, (o0, m0, l0))
+  o_ref[...] = o
+  l_ref[...] = l
+  m_ref[...] = m
+
+
+def check_inputs(q, k_pages, v_pages, page_table, lengths):
+  """Shape checks of the dense decode contract; ValueError names the array and the shape."""
+  if q.ndim != 3:
+    raise ValueError(f"q.shape={q.shape}: expected [B, H, D]")
+  b, h, d = q.shape
+  if k_pages.ndim != 4 or k_pages.shape[-1] != d:
+    raise ValueError(f"k_pages.shape={k_pages.shape}: expected [K, P, S, D={d}]")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
+  if v_pages.dtype != k_pages.dtype:
+    raise ValueError(f"v_pages.dtype={v_pages.dtype}: expected k_pages.dtype={k_pages.dtype}")
+  kvh = k_pages.shape[0]
+  if h % kvh:
+    raise ValueError(f"q has H={h} heads: expected a multiple of K={kvh} kv heads")
+  if page_table.ndim != 2 or page_table.shape[0] != b:
+    raise ValueError(f"page_table.shape={page_table.shape}: expected [B={b}, M]")
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths.shape={lengths.shape}: expected ({b},)")
+
+
+def paged_decode_partials(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None,
+                          config: PagedDecodeConfig | None = None, interpret: bool = False,
+                          poison=None):
+  """Runs the kernel; returns the per-split partial results before the merge.
+
+  `poison`: optional (o, l, m) buffers of the output shapes, aliased to the outputs, so a
+  test can fill them with NaN and check every element gets written.
+
+  Returns:
+    o: [B, K, R, Gp, D] float32 unnormalised outputs; l, m: [B, K, R, Gp] float32 running
+    sum and max per split.
+  """
+  check_inputs(q, k_pages, v_pages, page_table, lengths)
+  config = PagedDecodeConfig() if config is None else config
+  if not isinstance(config, PagedDecodeConfig):
+    raise ValueError(f"config={config!r}: expected a PagedDecodeConfig")
+  b, _, d = q.shape
+  kvh, _, s, _ = k_pages.shape
+  ppb, splits = config.pages_per_block, config.k_splits
+  split_k.check_kernel_dims(d, s, ppb)
+  if sm_scale is None:
+    sm_scale = d ** -0.5
+  # [B, K, Gp, D] in the cache dtype: the dots take one operand dtype.
+  q_rows = split_k.padded_queries(q.astype(k_pages.dtype), kvh)
+  rows = q_rows.shape[2]
+
+  out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, rows, d)
+  in_specs = [
+      pl.BlockSpec((None, None, rows, d), lambda i, j, r: (i, j, 0, 0)),  # q
+      pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
+      pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # v pool
+      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, r: (i, 0)),  # page table
+      pl.BlockSpec((None,), lambda i, j, r: (i,)),  # lengths
+  ]
+  args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32)]
+  args, in_specs, aliases = split_k.alias_poison(poison, args, in_specs, out_shape,
+                                                  out_specs)
+  kernel = functools.partial(_paged_decode_kernel, sm_scale=float(sm_scale),
+                             pages_per_block=ppb, k_splits=splits)
+  return pl.pallas_call(
+      kernel,
+      grid=(b, kvh, splits),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=interpret,
+      name="dense_paged_decode",
+  )(*args)
+
+
+def paged_decode(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None,
+                 config: PagedDecodeConfig | None = None, interpret: bool = False):
+  """Dense paged decode attention with the Pallas kernel (the contract of
+  `reference.dense_decode_reference`).
+
+  Args:
+    q: [B, H, D] queries of the current token (already written into the cache).
+    k_pages, v_pages: [K, P, S, D] paged key/value pool of one layer (D, S powers of two).
+    page_table: [B, M] int32 logical -> physical page ids; entries past a sequence's last
+      page are never read.
+    lengths: [B] int32 tokens in the cache including the current one.
+    sm_scale: softmax scale, default 1/sqrt(D).
+    config: PagedDecodeConfig (static).
+    interpret: run the kernel in the Pallas interpreter (CPU).
+  Returns:
+    [B, H, D] in q.dtype.
+  """
+  o, l, m = paged_decode_partials(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
+                                  config=config, interpret=interpret)
+  return split_k.merge_partials(o, l, m, q.shape[1]).astype(q.dtype)
+
+
+def dense_decode_xla(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None):
+  """Dense paged decode attention in XLA (the CPU path; same contract as `paged_decode`).
+
+  Reads the M page-table columns it is given (pass a table bucketed to the longest active
+  sequence), gathers K/V in the cache dtype and accumulates both einsums in float32.
+
+  Args:
+    q: [B, H, D]; k_pages, v_pages: [K, P, S, D]; page_table: [B, M] int32;
+    lengths: [B] int32; sm_scale: default 1/sqrt(D).
+  Returns:
+    [B, H, D] in q.dtype.
+  """
+  check_inputs(q, k_pages, v_pages, page_table, lengths)
+  b, h, d = q.shape
+  kvh, _, s, _ = k_pages.shape
+  g = h // kvh
+  m = page_table.shape[1]
+  if sm_scale is None:
+    sm_scale = d ** -0.5
+  heads = jnp.arange(kvh)[None, :, None]  # [1, K, 1]
+  table = page_table.astype(jnp.int32)[:, None, :]  # [B, 1, M]
+  k = k_pages[heads, table].reshape(b, kvh, m * s, d)  # [B, K, M*S, D] cache dtype
+  v = v_pages[heads, table].reshape(b, kvh, m * s, d)
+  qg = q.reshape(b, kvh, g, d).astype(k.dtype)  # [B, K, G, D]
+  logits = jnp.einsum("bkgd,bktd->bkgt", qg, k,
+                      preferred_element_type=jnp.float32) * sm_scale  # [B, K, G, M*S]
+  ok = (jnp.arange(m * s) < lengths[:, None])[:, None, None, :]  # [B, 1, 1, M*S]
+  logits = jnp.where(ok, logits, MASK_VALUE)
+  m_row = logits.max(axis=-1, keepdims=True)  # [B, K, G, 1]
+  p = jnp.where(ok, jnp.exp(logits - m_row), 0.0)  # [B, K, G, M*S] unnormalised
+  l_row = p.sum(axis=-1)  # [B, K, G]
+  o = jnp.einsum("bkgt,bktd->bkgd", p.astype(v.dtype), v,
+                 preferred_element_type=jnp.float32)  # [B, K, G, D]
+  out = jnp.where(l_row[..., None] > 0, o / jnp.where(l_row > 0, l_row, 1.0)[..., None], 0.0)
+  return out.reshape(b, h, d).astype(q.dtype)

@@ -1,0 +1,109 @@
+"""The one-shot GPU suite (benchmarks/gpu_suite.py): its --smoke run on CPU writes a complete
+JSON, and its driver records failures, time-guard skips and bad arguments as documented."""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_suite.py")
+
+
+@pytest.fixture(scope="module")
+def suite():
+  spec = importlib.util.spec_from_file_location("gpu_suite", SCRIPT)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules["gpu_suite"] = module  # dataclasses look their module up there
+  try:
+    spec.loader.exec_module(module)
+    yield module
+  finally:
+    del sys.modules["gpu_suite"]
+
+
+def _positive(x):
+  return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_smoke_run_writes_every_section(tmp_path):
+  out = tmp_path / "suite.json"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  record = json.loads(out.read_text())
+  meta = record["meta"]
+  assert record["smoke"] is True
+  assert meta["versions"]["jax"] and meta["versions"]["jaxlib"] and meta["date"]
+  assert meta["device"] and meta["backend"] == "cpu"
+  sections = record["sections"]
+  assert list(sections) == ["a_kernels_vs_reference", "b_copy_bandwidth",
+                            "c_sparse_bandwidth", "d_dense_baseline"]
+  assert all(s["status"] == "ok" for s in sections.values()), sections
+
+  checks = sections["a_kernels_vs_reference"]["results"]["checks"]
+  assert {c["impl"] for c in checks} == {"dense_kernel", "dense_xla", "sparse_kernel"}
+  assert all(c["ok"] and 0 < c["rel_err"] <= 2e-2 for c in checks)
+
+  copy = sections["b_copy_bandwidth"]["results"]
+  assert _positive(copy["gbps"]) and _positive(copy["ms"])
+
+  sparse = sections["c_sparse_bandwidth"]["results"]
+  assert [r["budget"] for r in sparse["rows"]] == [1, 2]
+  selected = [r["selected_pages"] for r in sparse["rows"]]
+  assert selected[0] < selected[1]  # a larger budget reads more pages
+  for r in sparse["rows"]:
+    assert all(_positive(r[k]) for k in ("kernel_ms", "kernel_gbps", "pct_of_copy", "step_ms"))
+    assert r["kv_bytes"] == 2 * r["selected_pages"] * 16 * 16 * 2  # K+V, S=16, D=16, bf16
+
+  dense = sections["d_dense_baseline"]["results"]
+  assert [r["impl"] for r in dense["rows"]] == ["dense_kernel", "jax_paged_attention",
+                                                "dense_xla"]
+  assert all(_positive(r["ms"]) and _positive(r["gbps"]) for r in dense["rows"])
+  # the three implementations compute the same attention (bf16 outputs)
+  assert set(dense["rel_diff_vs_xla"]) == {"dense_kernel", "jax_paged_attention"}
+  assert all(d < 2e-2 for d in dense["rel_diff_vs_xla"].values())
+
+
+def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):
+  def failing(run):
+    raise suite.CheckFailed("dense_kernel rel_err 0.5")
+
+  def crashing(run):
+    raise RuntimeError("boom")
+
+  def guarded(run):
+    done = [i for i in range(3) if run.has_time(f"item {i}")]
+    return dict(done=done)
+
+  monkeypatch.setitem(suite.SECTIONS, "x", suite.Section("x", "fails", 10, failing))
+  monkeypatch.setitem(suite.SECTIONS, "y", suite.Section("y", "crashes", 10, crashing))
+  monkeypatch.setitem(suite.SECTIONS, "z", suite.Section("z", "no_time", 0, guarded))
+  out = tmp_path / "r.json"
+  assert suite.main(["--smoke", "--sections", "x,crashes,z", "--out", str(out)]) == 1
+  sections = json.loads(out.read_text())["sections"]
+  assert sections["x_fails"]["status"] == "failed"
+  assert "rel_err 0.5" in sections["x_fails"]["error"]
+  assert sections["y_crashes"]["status"] == "error"
+  assert "RuntimeError: boom" in sections["y_crashes"]["error"]
+  assert sections["z_no_time"]["status"] == "partial"
+  assert sections["z_no_time"]["results"] == {"done": []}
+  assert sections["z_no_time"]["skipped"] == ["item 0", "item 1", "item 2"]
+
+
+def test_bad_arguments_exit_2(suite, tmp_path, capsys):
+  out = str(tmp_path / "r.json")
+  assert suite.main(["--smoke", "--sections", "a,q", "--out", out]) == 2
+  assert "'q'" in capsys.readouterr().err
+  assert suite.main(["--smoke", "--out", str(tmp_path / "missing" / "r.json")]) == 2
+  assert "does not exist" in capsys.readouterr().err
+  assert suite.main(["--smoke", "--budget-s", "0", "--out", out]) == 2
+  if suite.jax.default_backend() != "gpu":  # the full suite refuses to run without a GPU
+    assert suite.main(["--out", out]) == 2
+    assert "needs a GPU" in capsys.readouterr().err
+  assert not os.path.exists(out)
