@@ -374,6 +374,10 @@ def _init_head(hidden_size: int, width: int, lr: float):
   return jax.jit(init)
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+  return np.exp(-np.logaddexp(0.0, -x))  # no overflow warning for large |x|
+
+
 def _bucket(n: int) -> int:
   """Rows padded to a power of two (>= 8) so the jitted step compiles a few shapes only."""
   return max(8, 1 << max(0, (n - 1).bit_length()))
@@ -432,7 +436,7 @@ class ArrolPruner:
       if lg.size != n or not np.isfinite(lg).all():
         raise ValueError(f"ArrolPruner.decide: logits {lg.tolist()} for {n} keys: expected "
                          "one finite logit per key")
-      q = self.calibrator.posterior(1.0 / (1.0 + np.exp(-lg)))
+      q = self.calibrator.posterior(_sigmoid(lg))
     if self.warming_up:
       return Decision(np.ones(n, np.bool_), np.ones(n), q, 0.0)
     if cfg.mode == "random":
@@ -479,7 +483,7 @@ class ArrolPruner:
                                                             self.opt_state, h_pad, y_pad, w_pad)
       if before is None:
         loss0, before = float(loss), np.asarray(lg)[:n].astype(np.float64)
-    scores = 1.0 / (1.0 + np.exp(-before))  # [n]
+    scores = _sigmoid(before)  # [n]
     self.calibrator.update(scores, y)
     return {"loss": loss0, "acc": head_accuracy(scores, y),
             "auc": head_auc(scores, y), "pos_rate": float(y.mean()), "n": n}
