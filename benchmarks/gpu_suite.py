@@ -17,6 +17,10 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
   d dense_baseline        dense paged decode at the same shape: our kernel (a few launch
                           configs), jax's `pallas.ops.gpu.paged_attention` and the XLA path, in
                           ms and GB/s of the sequences' own K/V pages.
+  e engine_decode         the generation engine's decode step, dense vs the published
+                          `qwen3-1.7b-0.86` schedule, random-init Qwen3-1.7B (bf16), batch 16,
+                          at 8K/16K/32K tokens held (contexts filled with random K/V and their
+                          landmarks instead of a prefill): ms/step, tokens/s, speedup.
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
 its numbers. Every section gets a time guard (its budget, capped by what is left of
 `--budget-s`): a measurement that would start past it is recorded under "skipped" instead, so
@@ -100,6 +104,15 @@ SMOKE = Sizes(  # every code path once, at the smallest shapes the kernels accep
     jax_paged=dict(k_splits=2, pages_per_compute_block=1))
 
 
+# Section e: the engine on a random-init model. The full run uses Qwen3-1.7B at a batch whose
+# 32K-token contexts fit one H200 beside the weights (16 x 32K x 112 KB/token = 60 GB per
+# engine; the dense and sparse engines are built one after the other).
+FULL_ENGINE = dict(model="qwen3_1p7b", overrides={}, batch=16, chunk=8,
+                   contexts=(8192, 16384, 32768))
+SMOKE_ENGINE = dict(model="tiny", overrides=dict(num_layers=3, head_dim=16), batch=2, chunk=2,
+                    contexts=(256,))
+
+
 class Run:
   """What the sections share: sizes, backend, cache dtype, the time guard and a cache of
   built inputs / measured copy bandwidth."""
@@ -113,6 +126,7 @@ class Run:
     self.deadline = self.total_deadline
     self.skipped: list[str] = []
     self.cache: dict = {}
+    self.engine = SMOKE_ENGINE if smoke else FULL_ENGINE
 
   def start_section(self, budget_s: float):
     self.deadline = min(time.monotonic() + budget_s, self.total_deadline)
@@ -353,6 +367,106 @@ def dense_baseline(run: Run) -> dict:
                if "dense_xla" in outs and impl != "dense_xla"}
   return dict(shape=_bench_shape(run), own_kv_bytes=nbytes, copy_gbps=copy, rows=rows,
               rel_diff_vs_xla=agreement)
+
+
+def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
+  """Admit `num_seqs` sequences holding `context` tokens each into `engine` without a prefill:
+  every pool page gets random K/V (decode cost does not depend on the values) and landmarks
+  computed from those keys (so sparse steps select pages as they would). Returns the
+  scheduler the engine's decode chunks run against."""
+  from sparrow_jax.engine.engine import Request
+  from sparrow_jax.engine.sampling import SamplingParams
+  from sparrow_jax.engine.scheduler import Scheduler
+
+  c, mc = engine.config, engine.model_config
+  sched = Scheduler(num_shards=1, num_slots=c.num_slots, num_pages=engine.pool_pages,
+                    page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
+                    chunk=c.decode_chunk)
+  reqs = [Request([3] * context, SamplingParams(temperature=0.0, ignore_eos=True,
+                                               max_new_tokens=c.max_seq_len - context), i)
+          for i in range(num_seqs)]
+  seqs = engine._validate(reqs, sched)
+  sched.submit(seqs)
+  admitted = sched.admit()
+  assert len(admitted) == num_seqs, "the pool must hold every sequence"
+  for sq in admitted:
+    sq.tokens, sq.length = [5], context  # one pending token on top of `context` held
+  kind = engine._landmark
+
+  @jax.jit
+  def fill(kv, key):
+    ks, vs, lms = [], [], []
+    for i, (k, v) in enumerate(zip(kv.k, kv.v)):
+      k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+      k = jax.random.normal(k1, k.shape, k.dtype)
+      ks.append(k)
+      vs.append(jax.random.normal(k2, v.shape, v.dtype))
+      if kind == "none":
+        lms.append(())
+      else:
+        lm = selection.compute_landmarks(k, jnp.full(k.shape[:2], k.shape[2]), kind)
+        lms.append(lm if isinstance(lm, tuple) else (lm,))
+    lengths = jnp.zeros_like(kv.lengths).at[:num_seqs].set(context)
+    return kv.replace(k=tuple(ks), v=tuple(vs), landmarks=tuple(lms), lengths=lengths)
+
+  engine._kv = jax.block_until_ready(fill(engine._kv, jax.random.key(seed)))
+  return sched
+
+
+def decode_step_ms(run: Run, engine, sched, steps: int) -> float:
+  """Median ms per decode step over `repeats` chunks (the first, compiling one, excluded)."""
+  from collections import Counter
+  table = engine._table()
+  times = []
+  for r in range(run.sizes.repeats + 1):
+    t0 = time.perf_counter()
+    engine._decode_chunk(sched, sched.grow(), table, None, {}, Counter())
+    jax.block_until_ready(engine._kv.k[0])
+    if r:
+      times.append(time.perf_counter() - t0)
+  return 1e3 * statistics.median(times) / steps
+
+
+@section("e", "engine_decode", budget_s=200)
+def engine_decode(run: Run) -> dict:
+  """Engine decode tokens/s, dense vs the published qwen3-1.7b-0.86 schedule, random-init
+  Qwen3-1.7B (bf16), at 8K/16K/32K tokens held; chunks alternate dense / sparse."""
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.decoder import init_model
+  from sparrow_jax.schedule import get_schedule
+  from sparrow_jax.schedule.schedule import attention_spec
+
+  z = run.engine
+  mcfg = get_config(z["model"], dtype="bfloat16", param_dtype="bfloat16", **z["overrides"])
+  model = init_model(mcfg)
+  sched_ = get_schedule("qwen3-1.7b-0.86")
+  backend = run.backend.value
+  sparse_att = attention_spec(sched_, max_position=max(z["contexts"]) + 1024, backend=backend)
+  rows = []
+  for ctx in z["contexts"]:
+    if not run.has_time(f"context {ctx}"):
+      continue
+    steps = z["chunk"]
+    max_len = ctx + steps * (run.sizes.repeats + 2) + sched_.page_size
+    ecfg = EngineConfig(num_slots=z["batch"], max_seq_len=max_len, page_size=sched_.page_size,
+                        decode_chunk=steps)
+    out = {}
+    for name, att, sch in (("dense", attn_lib.Dense(backend=backend), None),
+                           ("sparse", sparse_att, sched_)):
+      eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
+      sched = fill_random_context(eng, z["batch"], ctx)
+      out[name] = decode_step_ms(run, eng, sched, steps)
+      del eng, sched
+    budget = int(sched_.budgets[min(ctx // sched_.bin_size, sched_.num_bins - 1)])
+    rows.append(dict(context=ctx, batch=z["batch"], budget_pages=budget,
+                     dense_ms=out["dense"], sparse_ms=out["sparse"],
+                     dense_tok_s=z["batch"] * 1e3 / out["dense"],
+                     sparse_tok_s=z["batch"] * 1e3 / out["sparse"],
+                     speedup=out["dense"] / out["sparse"]))
+  return dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, rows=rows,
+              note="contexts filled with random K/V and their landmarks; bf16 weights/cache")
 
 
 def _bench_shape(run: Run) -> dict:

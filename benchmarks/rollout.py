@@ -1,20 +1,33 @@
-"""Decode throughput of the generation engine: tokens/s at several contexts and batch sizes,
-dense attention against block-sparse attention, measured side by side in one run.
+"""Engine decode speed, dense against block-sparse, measured side by side in one process.
 
-    python benchmarks/rollout.py                         # SmolLM2-135M shape, 1K/4K/8K, batch 1/4
-    python benchmarks/rollout.py --model-path SmolLM2-135M-Instruct.Q4_1.gguf --budget 16
-    python benchmarks/rollout.py --config tiny --contexts 256,512 --batches 1,2 --quick
+    python benchmarks/rollout.py                        # SmolLM2-135M shape, float32, both parts
+    python benchmarks/rollout.py --part context --contexts 1024,8192 --batch 4
+    python benchmarks/rollout.py --part pool --pools 4096,16384,65536
+    python benchmarks/rollout.py --model-path SmolLM2-135M-Instruct.Q4_1.gguf   # real weights
 
-The context is filled once per length: one prompt is prefilled, and every slot's page table
-points at the same prompt pages (read-only prefix sharing; decode writes start on fresh pages
-because contexts are page multiples). Then `--steps` decode steps are timed (medians over
-`--repeats` jitted chunks after a warm-up chunk). Weights are random unless --model-path is
-given: decode speed does not depend on their values.
+Two parts:
+
+* `context`: `--batch` slots, each prefilled with its *own* random prompt of `context` tokens
+  (distinct prompts, no shared pages), then decode chunks timed. Beside every measured ratio
+  the script prints the bound from bytes read per step: weights + the KV each layer reads
+  (dense layers: every token held; sparse layers: reserved + budget pages plus the landmarks
+  of every page held). Decode on this hardware is memory-bound, so the bytes ratio is what
+  sparse attention can buy at best.
+* `pool`: one sequence at a fixed context (`--pool-context`) in pools of `--pools` tokens: a
+  decode step must cost what attention reads, not what the pool holds.
+
+The dense and sparse engines run the same requests with the same pool; their chunks are timed
+in alternation (A B A B ...) so that load on a shared machine hits both alike; medians over
+`--repeats` chunks after a warm-up chunk (compilation). The prompt is prefilled once (by the
+sparse engine, which also writes landmarks) and its K/V copied into the dense engine's pool.
+Weights are random unless --model-path is given: decode speed does not depend on their values
+(which pages a sparse step selects does, not how many).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -23,99 +36,118 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
 
-def _setup(model, attention, schedule, context: int, batch: int, steps: int, repeats: int,
-           page_size: int = 16):
-  """An engine whose `batch` slots all hold the same `context`-token prompt (shared pages)."""
+def _engines(model, sparse_att, schedule, *, batch: int, max_len: int, pool_tokens: int,
+             chunk: int, page_size: int):
   from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
-  from sparrow_jax.models.kv_cache import pages_for
+  from sparrow_jax.models import attention as attn_lib
 
-  extra = steps * (repeats + 1)
-  max_len = context + extra + page_size
-  prompt_pages = pages_for(context, page_size)
-  gen_pages = pages_for(extra + page_size, page_size)
-  num_pages = 1 + prompt_pages + batch * gen_pages
   cfg = EngineConfig(num_slots=batch, max_seq_len=max_len, page_size=page_size,
-                     num_pages=num_pages, decode_chunk=steps)
-  eng = GenerationEngine(model, cfg, attention=attention, schedule=schedule)
-  rng = np.random.default_rng(0)
-  prompt = rng.integers(3, model.cfg.vocab_size, context).astype(np.int32)
-  rows = np.zeros((batch, cfg.max_pages_per_seq), np.int32)
-  shared = np.arange(1, 1 + prompt_pages)
-  for b in range(batch):
-    own = 1 + prompt_pages + b * gen_pages + np.arange(gen_pages)
-    rows[b, :prompt_pages + gen_pages] = np.concatenate([shared, own])
-  # Prefill the prompt once into slot 0 (its pages are the shared ones).
-  toks = np.zeros((1, prompt_pages * page_size), np.int32)
-  toks[0, :context] = prompt
-  one = (jnp.zeros((1,), jnp.int32), jnp.zeros((1,)), jnp.ones((1,)), jnp.zeros((1,), jnp.int32))
+                     num_pages=pool_tokens // page_size + 1, decode_chunk=chunk)
+  sparse = GenerationEngine(model, cfg, attention=sparse_att, schedule=schedule)
+  dense = GenerationEngine(model, cfg, attention=attn_lib.Dense(backend=sparse_att.backend))
+  return dense, sparse
+
+
+def _fill(dense, sparse, prompts, max_new: int):
+  """Admit and prefill `prompts` in the sparse engine; give the dense engine the same K/V."""
+  from sparrow_jax.engine.engine import Request
+  from sparrow_jax.engine.sampling import SamplingParams
+  from sparrow_jax.engine.scheduler import Scheduler
+
+  reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True),
+                  i) for i, p in enumerate(prompts)]
+  c = sparse.config
+  sched = Scheduler(num_shards=1, num_slots=c.num_slots, num_pages=sparse.pool_pages,
+                    page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
+                    chunk=c.decode_chunk)
+  seqs = sparse._validate(reqs, sched)
+  sched.submit(seqs)
+  admitted = sched.admit()
+  assert len(admitted) == len(prompts), "the pool must hold every prompt"
   t0 = time.perf_counter()
-  eng.cache, tok, _, _ = eng._prefill_fn(eng.state, eng.cache, jnp.asarray(toks),
-                                         jnp.asarray([context], jnp.int32),
-                                         jnp.zeros((1,), jnp.int32), jnp.asarray(rows[:1]),
-                                         *one, None)
-  jax.block_until_ready(tok)
+  sparse._prefill(sched, admitted, sparse._table(), None, {}, _Counter())
+  jax.block_until_ready(sparse._kv.k[0])
   prefill_s = time.perf_counter() - t0
-  eng.cache = eng.cache.replace(page_table=jnp.asarray(rows),
-                                lengths=jnp.full((batch,), context, jnp.int32))
-  table = (jnp.asarray(eng.schedule.budgets, jnp.int32) if eng.schedule is not None
-           else jnp.zeros((1,), jnp.int32))
-  params = (jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch,)), jnp.ones((batch,)),
-            jnp.zeros((batch,), jnp.int32))
-  state = {"cur": jnp.full((batch,), int(tok[0]), jnp.int32)}
-
-  def chunk():
-    eng.cache, outs = eng._decode_fn(eng.state, eng.cache, state["cur"],
-                                     jnp.ones((batch,), bool), *params, table, None)
-    jax.block_until_ready(outs[0])
-    state["cur"] = outs[0][-1]
-
-  return chunk, prefill_s
+  sched_d = copy.deepcopy(sched)
+  dense._kv = dense._kv.replace(k=tuple(jnp.copy(x) for x in sparse._kv.k),
+                                v=tuple(jnp.copy(x) for x in sparse._kv.v),
+                                lengths=jnp.copy(sparse._kv.lengths))
+  return (sched_d, sched), prefill_s
 
 
-def bench_pair(model, sparse, sched, context: int, batch: int, steps: int, repeats: int):
-  """Dense and sparse engines decoding the same context, timed in alternation (A B A B ...)
-  so that load on a shared machine hits both alike; medians of `repeats` chunks each."""
-  runs = {"dense": _setup(model, attn_lib_dense(), None, context, batch, steps, repeats),
-          "sparse": _setup(model, sparse, sched, context, batch, steps, repeats)}
+class _Counter(dict):
+  def __missing__(self, key):
+    return 0
+
+
+def _chunk_fn(engine, sched):
+  """One decode chunk of the engine's running sequences (pages grown first, as `generate`)."""
+  table = engine._table()
+
+  def run():
+    engine._decode_chunk(sched, sched.grow(), table, None, {}, _Counter())
+    jax.block_until_ready(engine._kv.k[0])
+
+  return run
+
+
+def time_pair(dense, sparse, scheds, steps: int, repeats: int) -> dict[str, float]:
+  runs = {"dense": _chunk_fn(dense, scheds[0]), "sparse": _chunk_fn(sparse, scheds[1])}
   times = {k: [] for k in runs}
   for r in range(repeats + 1):
-    for name, (chunk, _) in runs.items():
+    for name, fn in runs.items():
       t0 = time.perf_counter()
-      chunk()
+      fn()
       if r:  # the first chunk includes compilation
         times[name].append(time.perf_counter() - t0)
-  out = {}
-  for name, ts in times.items():
-    med = statistics.median(ts)
-    out[name] = {"step_ms": 1e3 * med / steps, "tok_s": batch * steps / med,
-                 "prefill_s": runs[name][1]}
-  return out
+  return {k: 1e3 * statistics.median(v) / steps for k, v in times.items()}
 
 
-def attn_lib_dense():
-  from sparrow_jax.models import attention as attn_lib
-  return attn_lib.Dense()
+def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool,
+                   itemsize: int = 4) -> float:
+  """Bytes a decode step must read: weights + KV (and landmarks) of every layer."""
+  mc = model_cfg
+  d, f, v = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+  per_layer = d * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + \
+      mc.num_heads * mc.head_dim * d + 3 * d * f
+  weights = (mc.num_layers * per_layer + v * d) * itemsize  # embedding read by the LM head
+  kv_tok = 2 * mc.num_kv_heads * mc.head_dim * itemsize  # K and V of one token, one layer
+  s = schedule.page_size
+  pages = -(-context // s)
+  total = 0.0
+  for layer in range(mc.num_layers):
+    if dense or layer in schedule.dense_layers:
+      total += batch * context * kv_tok
+    else:
+      sel = min(pages, schedule.budgets[-1] + schedule.reserved)
+      total += batch * (sel * s * kv_tok + pages * mc.num_kv_heads * mc.head_dim * 4)
+  return weights + total
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default="smollm2_135m")
-  ap.add_argument("--model-path", default=None)
-  ap.add_argument("--contexts", default="1024,4096,8064")
-  ap.add_argument("--batches", default="1,4")
+  ap.add_argument("--config", default="smollm2_135m", help="model preset (shape)")
+  ap.add_argument("--model-path", default=None, help="real weights (HF dir or .gguf)")
+  ap.add_argument("--part", choices=("context", "pool", "both"), default="both")
+  ap.add_argument("--contexts", default="1024,8064",
+                  help="context lengths (SmolLM2 holds 8192 positions: 8064 leaves room for the "
+                       "timed steps)")
+  ap.add_argument("--batch", type=int, default=4)
+  ap.add_argument("--pools", default="4096,16384,65536", help="pool sizes in tokens")
+  ap.add_argument("--pool-context", type=int, default=1024)
+  ap.add_argument("--pool-batch", type=int, default=1)
   ap.add_argument("--budget", type=int, default=16, help="sparse top-k pages (constant)")
-  ap.add_argument("--steps", type=int, default=16)
-  ap.add_argument("--repeats", type=int, default=3)
-  ap.add_argument("--quick", action="store_true", help="fewer steps and repeats")
+  ap.add_argument("--page-size", type=int, default=16)
+  ap.add_argument("--steps", type=int, default=8, help="decode steps per timed chunk")
+  ap.add_argument("--repeats", type=int, default=5)
+  ap.add_argument("--backend", default="auto", help="attention backend (auto/xla/pallas)")
   args = ap.parse_args(argv)
-  if args.quick:
-    args.steps, args.repeats = 8, 2
 
   from sparrow_jax.models import attention as attn_lib
   from sparrow_jax.models.config import get_config
@@ -127,24 +159,75 @@ def main(argv=None) -> int:
     model = load_pretrained(args.model_path)
   else:
     model = init_model(get_config(args.config))
-  sched = constant(args.budget)
-  sparse = attn_lib.BlockSparse(max_budget=args.budget, dense_layers=sched.dense_layers)
-  contexts = [int(x) for x in args.contexts.split(",")]
-  batches = [int(x) for x in args.batches.split(",")]
+  mc = model.cfg
+  sched = constant(args.budget, page_size=args.page_size)
+  sparse_att = attn_lib.BlockSparse(max_budget=args.budget, page_size=args.page_size,
+                                    dense_layers=sched.dense_layers, backend=args.backend)
+  item = jnp.dtype(mc.dtype).itemsize
+  sparse_layers = [i for i in range(mc.num_layers) if i not in sched.dense_layers]
+  if not sparse_layers:
+    print(f"error: every layer of {mc.name} is dense under {sched.dense_layers}: nothing "
+          "sparse to measure", file=sys.stderr)
+    return 2
   print(f"# {time.strftime('%Y-%m-%d')}  jax {jax.__version__}  backend "
         f"{jax.default_backend()}  {platform.processor() or platform.machine()} "
-        f"({os.cpu_count()} cpus)  model {model.cfg.name}  sparse budget {args.budget} pages "
-        f"+ 3 reserved, layers {sched.dense_layers} dense")
-  print("| context | batch | dense tok/s | sparse tok/s | sparse/dense speed | dense ms/step "
-        "| sparse ms/step |")
-  print("|---|---|---|---|---|---|---|")
-  for ctx in contexts:
-    for b in batches:
-      res = bench_pair(model, sparse, sched, ctx, b, args.steps, args.repeats)
-      d, s = res["dense"], res["sparse"]
-      print(f"| {ctx} | {b} | {d['tok_s']:.1f} | {s['tok_s']:.1f} | "
-            f"{s['tok_s'] / d['tok_s']:.2f}x | {d['step_ms']:.1f} | {s['step_ms']:.1f} |",
-            flush=True)
+        f"({os.cpu_count()} cpus)  model {mc.name} ({mc.dtype})  sparse: {args.budget} pages "
+        f"+ {sched.reserved} reserved of {args.page_size} tokens, layers "
+        f"{list(sched.dense_layers)} dense; {args.steps} steps/chunk, median of "
+        f"{args.repeats} chunks")
+  rng = np.random.default_rng(0)
+  extra = args.steps * (args.repeats + 2)
+
+  if args.part in ("context", "both"):
+    contexts = [int(x) for x in args.contexts.split(",")]
+    for ctx in contexts:
+      min_pages = sched.reserved + args.budget
+      if -(-ctx // args.page_size) <= min_pages:
+        print(f"warning: context {ctx} holds <= {min_pages} pages: sparse attention is "
+              "dense there (nothing sparse to measure)", file=sys.stderr)
+    print("\n## distinct prompts: ms per decode step\n")
+    print("| context | batch | dense ms | sparse ms | dense/sparse | bytes bound | "
+          "% of bound | prefill s |")
+    print("|---|---|---|---|---|---|---|---|")
+    sparse_ms = {}
+    for ctx in contexts:
+      max_len = ctx + extra + args.page_size
+      pool = args.batch * (-(-max_len // args.page_size)) * args.page_size
+      dense, sparse = _engines(model, sparse_att, sched, batch=args.batch, max_len=max_len,
+                               pool_tokens=pool, chunk=args.steps, page_size=args.page_size)
+      prompts = [list(rng.integers(3, mc.vocab_size, ctx)) for _ in range(args.batch)]
+      scheds, prefill_s = _fill(dense, sparse, prompts, extra)
+      ms = time_pair(dense, sparse, scheds, args.steps, args.repeats)
+      bd = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=True, itemsize=item)
+      bs = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=False,
+                          itemsize=item)
+      ratio, bound = ms["dense"] / ms["sparse"], bd / bs
+      sparse_ms[ctx] = (ms["sparse"], bs)
+      print(f"| {ctx} | {args.batch} | {ms['dense']:.1f} | {ms['sparse']:.1f} | {ratio:.2f}x "
+            f"| {bound:.2f}x | {100 * ratio / bound:.0f}% | {prefill_s:.1f} |", flush=True)
+    if len(contexts) > 1:
+      lo, hi = min(contexts), max(contexts)
+      grow, bgrow = sparse_ms[hi][0] / sparse_ms[lo][0], sparse_ms[hi][1] / sparse_ms[lo][1]
+      print(f"\nsparse ms/step at {hi} / at {lo}: {grow:.2f}x (bytes bound {bgrow:.2f}x)")
+
+  if args.part in ("pool", "both"):
+    ctx, b = args.pool_context, args.pool_batch
+    print(f"\n## pool sweep: context {ctx}, batch {b}: ms per decode step\n")
+    print("| pool tokens | dense ms | sparse ms |")
+    print("|---|---|---|")
+    res = {}
+    prompts = [list(rng.integers(3, mc.vocab_size, ctx)) for _ in range(b)]
+    for pool in [int(x) for x in args.pools.split(",")]:
+      max_len = ctx + extra + args.page_size
+      dense, sparse = _engines(model, sparse_att, sched, batch=b, max_len=max_len,
+                               pool_tokens=pool, chunk=args.steps, page_size=args.page_size)
+      scheds, _ = _fill(dense, sparse, prompts, extra)
+      res[pool] = time_pair(dense, sparse, scheds, args.steps, args.repeats)
+      print(f"| {pool} | {res[pool]['dense']:.1f} | {res[pool]['sparse']:.1f} |", flush=True)
+    lo, hi = min(res), max(res)
+    print(f"\nms/step with a {hi}-token pool / {lo}-token pool: dense "
+          f"{res[hi]['dense'] / res[lo]['dense']:.2f}x, sparse "
+          f"{res[hi]['sparse'] / res[lo]['sparse']:.2f}x")
   return 0
 
 

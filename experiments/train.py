@@ -26,6 +26,9 @@ def main(argv=None) -> int:
                   help="abstract shapes only: print per-device memory and exit")
   ap.add_argument("--num-devices", type=int, default=None,
                   help="device count for --dry-run (default: the mesh's or local devices)")
+  ap.add_argument("--mean-response-len", type=int, default=None,
+                  help="--dry-run: mean response length for the concurrency estimate "
+                       "(default max_new_tokens/2)")
   ap.add_argument("--quiet", action="store_true")
   ap.add_argument("overrides", nargs="*", help="key=value config overrides")
   args = ap.parse_args(argv)
@@ -38,7 +41,8 @@ def main(argv=None) -> int:
     return 2
   if args.dry_run:
     from sparrow_jax.rl.dry_run import dry_run
-    return dry_run(cfg, num_devices=args.num_devices)
+    return dry_run(cfg, num_devices=args.num_devices,
+                   mean_response_len=args.mean_response_len)
 
   from sparrow_jax.rl.trainer import Trainer, TrainingStopped
   try:

@@ -43,7 +43,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert meta["device"] and meta["backend"] == "cpu"
   sections = record["sections"]
   assert list(sections) == ["a_kernels_vs_reference", "b_copy_bandwidth",
-                            "c_sparse_bandwidth", "d_dense_baseline"]
+                            "c_sparse_bandwidth", "d_dense_baseline", "e_engine_decode"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
 
   checks = sections["a_kernels_vs_reference"]["results"]["checks"]
@@ -68,6 +68,12 @@ def test_smoke_run_writes_every_section(tmp_path):
   # the three implementations compute the same attention (bf16 outputs)
   assert set(dense["rel_diff_vs_xla"]) == {"dense_kernel", "jax_paged_attention"}
   assert all(d < 2e-2 for d in dense["rel_diff_vs_xla"].values())
+
+  engine = sections["e_engine_decode"]["results"]
+  assert engine["schedule"] == "qwen3-1.7b-0.86" and [r["context"] for r in engine["rows"]] == [256]
+  for r in engine["rows"]:
+    assert all(_positive(r[k]) for k in ("dense_ms", "sparse_ms", "dense_tok_s", "sparse_tok_s"))
+    assert r["budget_pages"] == 29  # the published table's first bin
 
 
 def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):

@@ -18,8 +18,9 @@ of KV pages; requests wait in one queue and go to whichever shard has a free slo
 Cost of a decode step. The cache is one buffer per layer (see `models/kv_cache.py`), written in
 place; attention reads only what it needs: dense layers the sequence's own pages, block-sparse
 layers the landmarks of the sequence's pages plus the selected pages. The page table passed to
-a chunk is cut to the longest running sequence, rounded up to a power of two (at least
-`min_page_bucket` pages), so neither the pool size nor `max_seq_len` enters a step's cost.
+a chunk is cut to the longest running sequence, rounded up by less than a quarter
+(`page_buckets_per_octave` widths per doubling; at least `min_page_bucket` pages), so neither
+the pool size nor `max_seq_len` enters a step's cost.
 One decode program is compiled per page-table width bucket (and attention strategy), one
 prefill per (rows, length) bucket; `num_compilations` counts traces.
 
@@ -58,8 +59,10 @@ from sparrow_jax.engine.scheduler import Scheduler, SeqState
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page, pages_for
+from sparrow_jax.models.quality_head import init_quality_head, quality_logits
+from sparrow_jax.engine.pruning import Detection, GroupTracker, PruneCandidate, PruneHook
 from sparrow_jax.schedule.schedule import (SparsitySchedule, as_schedule, budget_pages,
-                                           teacher_forced_budgets)
+                                           max_budget, teacher_forced_budgets)
 
 AXIS = "rollout"  # the one mesh axis of the engine: every device is a shard
 
@@ -78,9 +81,11 @@ class EngineConfig:
   cache_dtype: str | None = None  # default: the model's compute dtype
   logprobs_topk: int = 0  # keep the top-k log-probs of every generated token (monitor)
   min_page_bucket: int = 8  # smallest compiled page-table width (pages)
+  page_buckets_per_octave: int = 4  # compiled widths per doubling (1: powers of two)
 
   def __post_init__(self):
-    for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk", "min_page_bucket"):
+    for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk", "min_page_bucket",
+              "page_buckets_per_octave"):
       v = getattr(self, f)
       if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"EngineConfig.{f}={v!r}: expected an int >= 1")
@@ -143,12 +148,15 @@ class Request:
   prompt_ids: Sequence[int]
   sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
   request_id: Any = None
+  group: Any = None  # prompt group (GRPO): pruning decides per group
 
 
 @dataclasses.dataclass
 class Completion:
   """One finished sequence. `finish_reason` is 'stop' (EOS/stop id, included in
-  `token_ids`), 'length' (max_new_tokens) or 'context' (max_seq_len reached)."""
+  `token_ids`), 'length' (max_new_tokens), 'context' (max_seq_len reached) or 'pruned'
+  (removed by the prune hook while running; `pruned` is also set for a sequence that finished
+  after L_detect but before its group was decided)."""
 
   request_id: Any
   prompt_ids: np.ndarray  # [P] int32
@@ -158,6 +166,10 @@ class Completion:
   topk_ids: np.ndarray | None = None  # [n, k] int32
   topk_logprobs: np.ndarray | None = None  # [n, k] float32
   preemptions: int = 0  # times the sequence was preempted and recomputed
+  pruned: bool = False  # removed by the prune hook (tokens are those generated until then)
+  quality_logit: float | None = None  # head logit at the detection point (prune hook)
+  detect_hidden: np.ndarray | None = None  # [D] final-normed hidden state there
+  detect_index: int = -1  # generated-token index of that point (-1: none)
 
 
 def _next_pow2(n: int) -> int:
@@ -204,8 +216,14 @@ class GenerationEngine:
 
   # --- placement ------------------------------------------------------------------------
   def _place_state(self, state):
-    """Parameters replicated on every rollout device (gathered from any training layout)."""
-    return jax.device_put(state, NamedSharding(self.mesh, P()))
+    """Parameters in the rollout layout: replicated on every rollout device (gathered from
+    any training layout) and stored in the compute dtype. The decoder casts every weight to
+    the compute dtype before use, so casting once here changes no result, and a decode step
+    reads half the weight bytes when training keeps float32 parameters for bf16 compute."""
+    dt = jnp.dtype(self.model_config.dtype)
+    cast = lambda x: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating)
+                      and x.dtype.itemsize > dt.itemsize else x)
+    return jax.device_put(jax.tree.map(cast, state), NamedSharding(self.mesh, P()))
 
   def _create_pool(self) -> PagedKVCache:
     mc, cfg, d = self.model_config, self.config, self.num_shards
@@ -258,23 +276,47 @@ class GenerationEngine:
     return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
 
   def _decode_local(self, state, cache, tokens, active, remaining, stop_ids, seeds, temps,
-                    top_ps, top_ks, table, lora):
+                    top_ps, top_ks, table, lora, det=None):
+    """Up to `decode_chunk` steps. `det` (pruning) = (head_params, det_stop_ids [S],
+    prompt_len [B], det_end [B]): records the hidden state and head logit at the last stop
+    token in the detection window [prompt_len, det_end] and at the latest token in it."""
     model = nnx.merge(self.graphdef, state)
     c, b, k = self.config.decode_chunk, tokens.shape[0], self.config.logprobs_topk
     outs = (jnp.zeros((c, b), jnp.int32), jnp.zeros((c, b), jnp.float32),
             jnp.zeros((c, b, k), jnp.int32), jnp.zeros((c, b, k), jnp.float32))
+    d = self.model_config.hidden_size
+    rec0 = ((jnp.zeros((b,), jnp.float32), jnp.zeros((b, d), jnp.float32),
+             jnp.full((b,), -1, jnp.int32)) * 2 if det is not None else ())
+
+    def record(rec, tok, pos, active, hidden):
+      head, det_stop, prompt_len, det_end = det
+      logit = quality_logits(head, hidden)  # [B]
+      window = active & (pos >= prompt_len) & (pos <= det_end)  # [B]
+      # The window's last token is the detection point only when no stop token came before
+      # it: that fallback is the "latest" record (`pruning.Detection.best`).
+      at_stop = window & jnp.any(tok[:, None] == det_stop, axis=-1)
+      idx = pos - prompt_len  # generated-token index of the input token
+      new = []
+      for j, upd in enumerate((at_stop, window)):
+        lg, hs, ix = rec[3 * j:3 * j + 3]
+        new += [jnp.where(upd, logit, lg), jnp.where(upd[:, None], hidden, hs),
+                jnp.where(upd, idx, ix)]
+      return tuple(new)
 
     def cond(carry):
-      step, _, _, active, _, _ = carry
+      step, _, _, active, _, _, _ = carry
       return (step < c) & jnp.any(active)
 
     def body(carry):
-      step, cache, tok, active, remaining, outs = carry
+      step, cache, tok, active, remaining, outs, rec = carry
       budgets = None
       if self.schedule is not None:
         budgets = budget_pages(self.schedule, cache.lengths + 1, table)
-      cache, logits = model.decode(cache, tok, active, attention=self.attention,
-                                   budgets=budgets, lora=lora)
+      pos = cache.lengths  # position of the input token
+      cache, logits, hidden = model.decode(cache, tok, active, attention=self.attention,
+                                           budgets=budgets, lora=lora, return_hidden=True)
+      if det is not None:
+        rec = record(rec, tok, pos, active, hidden.astype(jnp.float32))
       new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks)
       tk_ids, tk_lp = self._topk(logits)
       row = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, step, 0)
@@ -283,11 +325,11 @@ class GenerationEngine:
       remaining = remaining - active.astype(jnp.int32)
       done = jnp.any(new_tok[:, None] == stop_ids, axis=-1) | (remaining <= 0)
       new_tok = jnp.where(active, new_tok, tok)
-      return step + 1, cache, new_tok, active & ~done, remaining, outs
+      return step + 1, cache, new_tok, active & ~done, remaining, outs, rec
 
-    init = (jnp.int32(0), cache, tokens, active, remaining, outs)
-    steps, cache, _, _, _, outs = jax.lax.while_loop(cond, body, init)
-    return cache, outs, steps[None]
+    init = (jnp.int32(0), cache, tokens, active, remaining, outs, rec0)
+    steps, cache, _, _, _, outs, rec = jax.lax.while_loop(cond, body, init)
+    return cache, outs, steps[None], rec
 
   def _get_prefill(self, attention):
     key = attention
@@ -303,9 +345,9 @@ class GenerationEngine:
       self._prefill_fn[key] = jax.jit(fn, donate_argnums=(1,))
     return self._prefill_fn[key]
 
-  def _get_decode(self):
+  def _get_decode(self, with_det: bool = False):
     key = (self.attention, None if self.schedule is None
-           else (self.schedule.bin_size, self.schedule.num_bins))
+           else (self.schedule.bin_size, self.schedule.num_bins), with_det)
     if key not in self._decode_fn:
       def fn(state, cache, *args):
         self.num_compilations += 1
@@ -313,7 +355,11 @@ class GenerationEngine:
         cols = P(None, AXIS)
         in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
                     P(), P())
-        out_specs = (self._cache_specs(), (cols, cols, cols, cols), rows)
+        rec_specs = ()
+        if with_det:
+          in_specs += ((P(), P(), rows, rows),)
+          rec_specs = (rows,) * 6
+        out_specs = (self._cache_specs(), (cols, cols, cols, cols), rows, rec_specs)
         return self._shard(self._decode_local, in_specs, out_specs)(state, cache, *args)
       self._decode_fn[key] = jax.jit(fn, donate_argnums=(1,))
     return self._decode_fn[key]
@@ -343,10 +389,12 @@ class GenerationEngine:
     schedule = as_schedule(schedule, page_size=self.attention.page_size)
     if schedule.is_dense:
       raise ValueError(f"schedule {schedule.name!r} is dense but the attention is BlockSparse")
-    if max(schedule.budgets) > self.attention.max_budget:
+    need = max_budget(schedule, self.config.max_seq_len)  # bins a sequence can reach
+    if need > self.attention.max_budget:
       raise ValueError(
-          f"schedule budget {max(schedule.budgets)} exceeds the attention spec's "
-          f"max_budget={self.attention.max_budget}")
+          f"schedule {schedule.name!r} needs a budget of {need} pages up to max_seq_len="
+          f"{self.config.max_seq_len}, above the attention spec's max_budget="
+          f"{self.attention.max_budget}")
     return schedule
 
   def set_state(self, state) -> None:
@@ -421,7 +469,7 @@ class GenerationEngine:
 
   def _complete(self, seq: SeqState, reason: str) -> Completion:
     k = self.config.logprobs_topk
-    return Completion(
+    out = Completion(
         request_id=seq.req.request_id,
         prompt_ids=np.asarray(seq.req.prompt_ids, np.int32),
         token_ids=np.asarray(seq.tokens, np.int32),
@@ -430,15 +478,30 @@ class GenerationEngine:
                   else np.zeros((len(seq.tokens), k), np.int32) if k else None),
         topk_logprobs=(np.stack(seq.topk_lps).astype(np.float32) if k and seq.topk_lps
                        else np.zeros((len(seq.tokens), k), np.float32) if k else None),
-        preemptions=seq.preemptions)
+        preemptions=seq.preemptions, pruned=reason == "pruned")
+    det = seq.extra.get("det")
+    if det is not None:
+      out.quality_logit, out.detect_hidden, out.detect_index = det.best()
+    return out
 
   def _page_bucket(self, pages: int) -> int:
+    """Compiled page-table width for a chunk whose longest sequence holds `pages` pages:
+    rounded up to a multiple of 1/`page_buckets_per_octave` of the largest power of two below
+    it, so the columns a dense step gathers exceed the pages held by less than that fraction,
+    while the number of compiled variants grows only logarithmically with the context."""
     cfg = self.config
-    return min(max(_next_pow2(pages), cfg.min_page_bucket), cfg.max_pages_per_seq)
+    below = 1 << (max(int(pages), 1).bit_length() - 1)  # largest power of two <= pages
+    step = max(below // cfg.page_buckets_per_octave, 1)
+    width = -(-pages // step) * step
+    return min(max(width, cfg.min_page_bucket), cfg.max_pages_per_seq)
 
-  def generate(self, requests: Sequence[Request], *, lora=None,
+  def generate(self, requests: Sequence[Request], *, lora=None, prune: PruneHook | None = None,
                progress: Callable[[int, int], None] | None = None) -> list[Completion]:
-    """Generate a completion for every request (returned in request order)."""
+    """Generate a completion for every request (returned in request order).
+
+    `prune`: an online pruning hook (ARRoL, `pruning.py`); requests with the same `group`
+    are decided together once all of them reached `prune.detect_len` or finished.
+    """
     cfg = self.config
     requests = list(requests)
     sched = Scheduler(num_shards=self.num_shards, num_slots=cfg.num_slots,
@@ -448,6 +511,13 @@ class GenerationEngine:
     sched.submit(seqs)
     self.last_scheduler = sched  # inspection (tests, benchmarks): pools, slots, stats
     done: dict[int, Completion] = {}
+    tracker = None
+    if prune is not None:
+      if prune.detect_len < 1:
+        raise ValueError(f"prune hook detect_len={prune.detect_len}: expected >= 1")
+      tracker = GroupTracker(seqs, prune.detect_len)
+      for sq in seqs:
+        sq.extra["det"] = Detection()
     table = self._table()
     counts = collections.Counter()
     compiles0 = self.num_compilations
@@ -461,7 +531,9 @@ class GenerationEngine:
         if sched.queue and not admitted:
           raise AssertionError("scheduler made no progress with an empty engine")
         continue
-      self._decode_chunk(sched, running, table, lora, done, counts)
+      self._decode_chunk(sched, running, table, lora, done, counts, prune)
+      if tracker is not None:
+        self._prune(sched, tracker, prune, done, counts)
       if progress is not None:
         progress(len(done), len(requests))
     wall = time.perf_counter() - t0
@@ -479,6 +551,33 @@ class GenerationEngine:
   def _finish(self, sched: Scheduler, seq: SeqState, reason: str, done: dict) -> None:
     done[seq.index] = self._complete(seq, reason)
     sched.release(seq)
+
+  def _prune(self, sched: Scheduler, tracker: GroupTracker, hook: PruneHook, done: dict,
+             counts) -> None:
+    """Decide every group that became complete; pruned members leave the engine now."""
+    for key in tracker.ready_groups(set(done)):
+      tracker.decided.add(key)
+      cands = [sq for sq in tracker.members[key] if tracker.reached(sq)]
+      if not cands:
+        continue  # every member finished before L_detect: all kept
+      keep = list(hook.decide(key, [PruneCandidate(sq.req.request_id,
+                                                   sq.extra["det"].best()[0], len(sq.tokens))
+                                    for sq in cands]))
+      if len(keep) != len(cands):
+        raise ValueError(f"prune hook returned {len(keep)} decisions for {len(cands)} "
+                         f"candidates of group {key!r}")
+      counts["prune_candidates"] += len(cands)
+      for sq, kept in zip(cands, keep):
+        if kept:
+          continue
+        counts["pruned"] += 1
+        if sq.index in done:  # finished after L_detect, before its group was complete
+          done[sq.index].pruned = True
+          continue
+        counts["pruned_running"] += 1
+        if sq.slot < 0:  # preempted and waiting: leaves the queue
+          sched.queue.remove(sq)
+        self._finish(sched, sq, "pruned", done)
 
   def _prefill(self, sched: Scheduler, admitted: list[SeqState], table, lora, done: dict,
                counts) -> None:
@@ -525,11 +624,28 @@ class GenerationEngine:
       if reason is not None:
         self._finish(sched, s, reason, done)
 
+  def _det_args(self, prune: PruneHook, rows: list[SeqState | None]):
+    """(head, detection stop ids, prompt length, last window position) of the decode step."""
+    n = len(rows)
+    prompt_len = np.zeros((n,), np.int32)
+    det_end = np.full((n,), -1, np.int32)
+    for r, sq in enumerate(rows):
+      if sq is not None:
+        prompt_len[r] = sq.prompt_len
+        det_end[r] = sq.prompt_len + prune.detect_len - 1
+    ids = sorted(prune.stop_ids) or [-1]
+    head = prune.head_params
+    if head is None:  # no score wanted (random pruning): a zero head, logits are ignored
+      head = init_quality_head(jax.random.PRNGKey(0), self.model_config.hidden_size)
+      head = jax.tree.map(jnp.zeros_like, head)
+    head = jax.device_put(head, NamedSharding(self.mesh, P()))
+    return (head, jnp.asarray(ids, jnp.int32), jnp.asarray(prompt_len), jnp.asarray(det_end))
+
   def _zero_table(self):
     return jnp.zeros((self.num_shards * self.config.num_slots, 1), jnp.int32)
 
   def _decode_chunk(self, sched: Scheduler, running: list[SeqState], table, lora,
-                    done: dict, counts) -> None:
+                    done: dict, counts, prune: PruneHook | None = None) -> None:
     cfg, d, b = self.config, self.num_shards, self.config.num_slots
     width = self._page_bucket(max(len(s.pages) for s in running))
     rows: list[SeqState | None] = [None] * (d * b)
@@ -548,10 +664,24 @@ class GenerationEngine:
       stop_ids[r, :len(ids)] = ids
     cache = self._kv.replace(page_table=jnp.asarray(sched.page_table(width)))
     params = [jnp.asarray(x) for x in self._row_params(rows)]
-    cache, outs, steps = self._get_decode()(
+    det = ()
+    if prune is not None:
+      det = (self._det_args(prune, rows),)
+    cache, outs, steps, rec = self._get_decode(prune is not None)(
         self.state, cache, jnp.asarray(tokens), jnp.asarray(active), jnp.asarray(remaining),
-        jnp.asarray(stop_ids), *params, table, lora)
+        jnp.asarray(stop_ids), *params, table, lora, *det)
     self._kv = cache
+    if prune is not None:
+      rec = jax.device_get(rec)
+      for r, sq in enumerate(rows):
+        if sq is None:
+          continue
+        dt = sq.extra["det"]
+        if rec[2][r] >= 0:  # a stop token in the detection window this chunk
+          dt.logit, dt.hidden, dt.index = float(rec[0][r]), np.asarray(rec[1][r]), int(rec[2][r])
+        if rec[5][r] >= 0:
+          dt.last_logit, dt.last_hidden, dt.last_index = (float(rec[3][r]),
+                                                          np.asarray(rec[4][r]), int(rec[5][r]))
     toks, lps, tk_ids, tk_lps = jax.device_get(outs)  # [C, D*B], [C, D*B, k]
     steps = np.asarray(jax.device_get(steps))  # [D] steps run per shard
     counts["decode_chunks"] += 1

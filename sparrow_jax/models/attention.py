@@ -18,9 +18,14 @@ from sparrow_jax.pallas_kernels import (dispatch, reference, selection, sparse_d
                                         teacher_forced)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Dense:
-  """Full causal attention."""
+  """Full causal attention. `backend` picks the paged decode implementation (`dispatch`)."""
+
+  backend: str = "auto"
+
+  def __post_init__(self):
+    dispatch.Backend(self.backend)  # validates the name
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,7 +96,9 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
   """Attention of one new token per slot (`q [B, N, H]`) against the paged cache."""
   k_pages, v_pages, lms = cache.layer(layer)
   if not is_sparse_layer(spec, layer):
-    return reference.dense_decode_reference(q, k_pages, v_pages, cache.page_table, lengths)
+    # The sequences' own pages only, in the cache dtype with float32 accumulation.
+    return dispatch.dense_decode_attention(q, k_pages, v_pages, cache.page_table, lengths,
+                                           backend=spec.backend)
   if budgets is None:
     raise ValueError("BlockSparse attention needs `budgets` [B] (pages per slot)")
   if cache.landmark_kind != spec.landmark:

@@ -532,6 +532,39 @@ class ArrolPruner:
     self.step = int(np.asarray(state["step"]))
 
 
+class ArrolHook:
+  """The engine's prune hook (`sparrow_jax.engine.pruning.PruneHook`) for one rollout step:
+  `pruner.decide` per prompt group, with draw keys (run seed, step, prompt, sample) taken
+  from request ids `(prompt_index, sample_index)`; every decision is kept for the metrics."""
+
+  def __init__(self, pruner: ArrolPruner, stop_ids: frozenset, *, seed: int, step: int):
+    self.pruner = pruner
+    self.detect_len = pruner.config.detect_len
+    self.stop_ids = frozenset(int(t) for t in stop_ids)
+    # The head runs inside the decode step only when its scores are used.
+    self.head_params = pruner.params if pruner.config.mode == "head" else None
+    self.seed, self.step = int(seed) & 0x7FFFFFFF, int(step)
+    self.decisions: list[tuple[Any, list, Decision]] = []
+
+  def decide(self, group, candidates) -> np.ndarray:
+    keys = [(self.seed, self.step, *[int(x) for x in c.request_id]) for c in candidates]
+    logits = None
+    if self.head_params is not None:
+      logits = np.asarray([c.logit for c in candidates], np.float64)
+    d = self.pruner.decide(logits, keys)
+    self.decisions.append((group, [c.request_id for c in candidates], d))
+    return d.keep
+
+  def metrics(self) -> dict[str, float]:
+    """Mean shift delta over decided groups and the fraction of candidates kept."""
+    if not self.decisions:
+      return {"arrol/delta": float("nan"), "arrol/candidates": 0}
+    keep = np.concatenate([d.keep for _, _, d in self.decisions])
+    return {"arrol/delta": float(np.mean([d.delta for _, _, d in self.decisions])),
+            "arrol/candidates": int(keep.size),
+            "arrol/candidate_kept_frac": float(keep.mean())}
+
+
 # ----------------------------------------------------------------------------- metrics
 
 

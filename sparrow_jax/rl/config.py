@@ -48,8 +48,10 @@ class TrainConfig:
   landmark: str = "mean"
   dense_layers: str = ""  # comma-separated layers kept dense ("" = the schedule's own, 0,1)
   attention_backend: str = "auto"
-  num_slots: int = 64
+  num_slots: int = 64  # concurrent sequences per device (each device runs its own engine shard)
   decode_chunk: int = 16
+  kv_cache_gb: float = 0.0  # KV pool per device; 0 = from the memory plan (kv_cache_fraction)
+  kv_cache_fraction: float = 0.9  # of the device memory the plan leaves after everything else
   # optimisation (dense policy)
   num_steps: int = 100
   lr: float = 1e-6
@@ -131,6 +133,11 @@ class TrainConfig:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected > 0")
     if not 0 < self.tau < 1:
       raise ValueError(f"tau={self.tau}: expected in (0, 1)")
+    if self.kv_cache_gb < 0:
+      raise ValueError(f"kv_cache_gb={self.kv_cache_gb}: expected >= 0 (0 = from the memory "
+                       "plan)")
+    if not 0 < self.kv_cache_fraction <= 1:
+      raise ValueError(f"kv_cache_fraction={self.kv_cache_fraction}: expected in (0, 1]")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p}: expected in (0, 1]")
     if self.temperature < 0:
@@ -166,7 +173,7 @@ class TrainConfig:
 
 
 _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=2048,
-            max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=256,
+            max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=64,
             lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
             reward="math_verify", mini_batch_size=64, micro_batch_size=2, remat=True,
             tis_cap=2.0, num_steps=500,

@@ -24,12 +24,20 @@ Rows of the plan (bytes per device) and their assumptions:
   reference     a frozen copy of the parameters when `reference_model` (KL penalty β > 0).
   lora          LoRA factors (`lora_dtype`) for `lora_targets` in every layer, their gradient
                 and optimizer moments, sharded by the LoRA rules of PARAM_RULES.
-  kv_cache      the rollout engine's paged cache. Assumes one engine per data x fsdp group
-                (rollout batch split over the groups): each holds ceil(batch_slots / groups)
-                slots, a pool of slots * ceil(context_len / page_size) + 1 pages (page 0 is
-                the null page) of K and V `[L, K, P, S, Dh]`, landmarks `[L, K, P, Dh]`
-                float32 (mean: 1, quest: 2), page table and lengths; kv heads split over
-                tensor when divisible.
+  kv_cache      the rollout engine's paged KV pool, sized to memory as the engine does it
+                (vLLM's gpu_memory_utilization): every device runs its own engine shard
+                (`batch_slots` slots, its own pool); the pool gets `kv_cache_fraction` of
+                what the other rows leave of the usable memory (or `kv_cache_bytes` when
+                given), in whole pages of `kv_bytes_per_page` bytes (K and V in the cache
+                dtype + float32 landmarks, all layers, all kv heads: rollout parameters are
+                replicated, not tensor-sharded), capped at every slot holding `context_len`
+                tokens. Sequences take pages as they grow; when the pool runs out the engine
+                preempts. The plan reports how many sequences of the mean and of the maximum
+                length fit at once.
+  rollout_params  the parameters in the rollout layout: replicated and in the compute
+                dtype, when that differs from the training arrays (fsdp or tensor > 1, or
+                float32 parameters for bf16 compute); otherwise the engine uses the training
+                arrays themselves.
   activations   training micro-batch, ceil(train_micro_batch / groups) sequences per device
                 of train_seq_len tokens. With `remat` (per-layer checkpointing): the saved
                 input of every layer, plus one layer's recomputed working set during its
@@ -62,6 +70,7 @@ from flax import nnx
 
 from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.models.kv_cache import kv_bytes_per_page
 from sparrow_jax.rl import sharding as sh
 
 GB = 1e9
@@ -152,6 +161,10 @@ class MemoryPlan:
   param_bytes_total: int  # all parameters once, in param_dtype
   items: tuple[MemoryItem, ...]
   fallbacks: tuple[str, ...] = ()
+  kv_pool_pages: int = 0  # pages of one device's pool, null page included
+  kv_bytes_per_page: int = 0
+  kv_min_pages: int = 2  # one sequence of the maximum length + the null page
+  concurrency: dict = dataclasses.field(default_factory=dict)
 
   def item(self, name: str) -> MemoryItem:
     for it in self.items:
@@ -175,12 +188,27 @@ class MemoryPlan:
     return self.usable_bytes - self.total
 
   @property
+  def kv_cache_bytes(self) -> int:
+    """Bytes of one device's KV pool (whole pages): what the engine is given."""
+    return self.kv_pool_pages * self.kv_bytes_per_page
+
+  @property
+  def pool_fits(self) -> bool:
+    """The pool holds at least one sequence of the maximum length."""
+    return self.kv_pool_pages >= self.kv_min_pages
+
+  @property
   def fits(self) -> bool:
-    return self.total <= self.usable_bytes
+    return self.total <= self.usable_bytes and self.pool_fits
 
   def message(self) -> str:
     """One sentence: fits, or what does not fit and by how much."""
     where = f"{self.model} on {self.num_devices} device(s) ({self.mesh.describe()})"
+    if self.total <= self.usable_bytes and not self.pool_fits:
+      return (f"{where} does not fit: after parameters, optimizer and activations the KV "
+              f"pool gets {self.kv_pool_pages} pages but one sequence of the maximum length "
+              f"needs {self.kv_min_pages - 1} (+ the null page); use more devices "
+              "(fsdp/tensor), a shorter context, a smaller micro-batch or kv_cache_gb=")
     if self.fits:
       return (f"{where} fits: {self.total / GB:.2f} GB per device of "
               f"{self.usable_bytes / GB:.2f} GB usable ({self.headroom / GB:.2f} GB headroom)")
@@ -215,7 +243,9 @@ class MemoryPlan:
             "device_bytes": self.device_bytes, "usable_bytes": self.usable_bytes,
             "param_count": self.param_count, "param_bytes_total": self.param_bytes_total,
             "items": {i.name: i.per_device for i in self.items}, "total": self.total,
-            "headroom": self.headroom, "fits": self.fits}
+            "headroom": self.headroom, "fits": self.fits,
+            "kv_pool_pages": self.kv_pool_pages, "kv_bytes_per_page": self.kv_bytes_per_page,
+            "concurrency": dict(self.concurrency)}
 
 
 def _div_or_keep(n: int, t: int) -> int:
@@ -234,7 +264,9 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                 remat: bool = True, logits_chunk: int | None = None,
                 attn_chunk: int = 256,
                 device_bytes: float = 141e9, usable_fraction: float = 0.9,
-                num_devices: int | None = None) -> MemoryPlan:
+                num_devices: int | None = None, kv_cache_bytes: int | None = None,
+                kv_cache_fraction: float = 0.9,
+                mean_context_len: int | None = None) -> MemoryPlan:
   """Per-device memory plan (see the module docstring for what each row counts).
 
   `mesh_cfg` may hold a -1 axis when `num_devices` is given; `param_dtype`, `compute_dtype`
@@ -268,6 +300,10 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                      f"{tuple(lora_targets)}: expected rank >= 0 and targets when rank > 0")
   if not 0 < usable_fraction <= 1:
     raise ValueError(f"plan_memory usable_fraction={usable_fraction}: expected in (0, 1]")
+  if not 0 < kv_cache_fraction <= 1:
+    raise ValueError(f"plan_memory kv_cache_fraction={kv_cache_fraction}: expected in (0, 1]")
+  if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+    raise ValueError(f"plan_memory kv_cache_bytes={kv_cache_bytes}: expected > 0")
 
   param_dtype = param_dtype or model_cfg.param_dtype
   compute_dtype = compute_dtype or model_cfg.dtype
@@ -309,26 +345,13 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
         f"r={lora_rank} on {','.join(lora_targets)}: {l_tot // lb / 1e6:.1f} M x {lora_dtype}"
         f" + grads + {n_mom} moments"))
 
-  # --- KV cache ------------------------------------------------------------------------------
-  slots = -(-batch_slots // groups)
-  max_pages = -(-context_len // page_size)
-  pages = slots * max_pages + 1
-  kh = _div_or_keep(cfg.num_kv_heads, t)
-  n_lm = {"none": 0, "mean": 1, "quest": 2}[landmark]
-  kv = (2 * cfg.num_layers * kh * pages * page_size * cfg.head_dim * cb
-        + n_lm * cfg.num_layers * kh * pages * cfg.head_dim * 4
-        + slots * max_pages * 4 + slots * 4)
-  items.append(MemoryItem(
-      "kv_cache", kv,
-      f"{batch_slots} slots x {context_len} tok / {groups} groups = {slots} slots, {pages} "
-      f"pages x {page_size}, {kh} kv heads, {cache_dtype}, landmarks={landmark}"))
-
   # --- activations ---------------------------------------------------------------------------
   b = -(-train_micro_batch // groups)
   seq = train_seq_len
   n_h, f_d, v_d = (_div_or_keep(cfg.num_heads, t), _div_or_keep(cfg.intermediate_size, t),
                    _div_or_keep(cfg.vocab_size, t))
   d = cfg.hidden_size
+  kh = _div_or_keep(cfg.num_kv_heads, t)
   qkvo = 2 * b * seq * (2 * n_h + 2 * kh) * cfg.head_dim * ab
   probs = 2 * b * n_h * min(attn_chunk, seq) * seq * 4  # probabilities + cotangent
   mlp = 2 * 3 * b * seq * f_d * ab
@@ -351,7 +374,43 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
     items.append(MemoryItem("fsdp_buffers", 2 * max(layer_dev, embed),
                             "2 gathered layers (or the embedding) per tensor shard"))
 
+  # --- rollout parameters (replicated for the engine) ------------------------------------
+  if sizes["fsdp"] * t > 1 or ab < pb:
+    items.append(MemoryItem("rollout_params", n_params * min(ab, pb),
+                            f"replicated rollout copy in {compute_dtype if ab < pb else param_dtype}"))
+
+  # --- KV pool: what is left, in whole pages ---------------------------------------------
+  per_page = kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                               head_dim=cfg.head_dim, page_size=page_size, dtype=cache_dtype,
+                               landmark=landmark)
+  max_pages = -(-context_len // page_size)
+  cap = batch_slots * max_pages + 1  # every slot at context_len (+ the null page)
+  others = sum(i.per_device for i in items)
+  left = device_bytes * usable_fraction - others
+  if kv_cache_bytes is not None:
+    pool_bytes, how = int(kv_cache_bytes), f"kv_cache_bytes={kv_cache_bytes / GB:.2f} GB"
+  else:
+    pool_bytes = int(max(left, 0.0) * kv_cache_fraction)
+    how = f"{kv_cache_fraction:.0%} of the {max(left, 0.0) / GB:.2f} GB left"
+  pool_pages = min(pool_bytes // per_page, cap)
+  tables = batch_slots * (max_pages * 4 + 4)  # page table rows + lengths
+  kv = pool_pages * per_page + tables
+  usable_pages = max(pool_pages - 1, 0)
+  mean_len = mean_context_len or max(context_len // 2, 1)
+  concurrency = {
+      "max_len": context_len, "mean_len": mean_len,
+      "at_max": min(batch_slots, usable_pages // max_pages),
+      "at_mean": min(batch_slots, usable_pages // -(-mean_len // page_size))}
+  items.append(MemoryItem(
+      "kv_cache", kv,
+      f"{pool_pages} pages x {page_size} tok ({how}{', capped at every slot full' if pool_pages == cap else ''}); "
+      f"{per_page / 1e6:.3f} MB/page, {cache_dtype}, landmarks={landmark}; {batch_slots} "
+      f"slots/device; concurrent sequences: {concurrency['at_mean']} at the mean length "
+      f"{mean_len}, {concurrency['at_max']} at the max {context_len}"))
+
   return MemoryPlan(
+      kv_pool_pages=int(pool_pages), kv_bytes_per_page=int(per_page),
+      kv_min_pages=max_pages + 1, concurrency=concurrency,
       model=model_cfg.name, mesh=mesh_cfg, num_devices=num_devices, device_bytes=device_bytes,
       usable_fraction=usable_fraction, param_count=n_params, param_bytes_total=p_tot,
       items=tuple(items), fallbacks=tuple(sh.summarize_fallbacks(fallbacks)))

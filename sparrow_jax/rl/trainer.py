@@ -37,6 +37,7 @@ from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig
 from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
 from sparrow_jax.rl.config import TrainConfig
+from sparrow_jax.rl.dry_run import plan_for_model
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.rl.metrics import MetricsLogger
 from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
@@ -45,6 +46,11 @@ from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule import mismatch, presets
 from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec, parse_schedule,
                                            teacher_forced_budgets)
+
+
+# Engine stats of each rollout logged by the trainer (see `engine.GenerationEngine`).
+_ENGINE_METRICS = ("preemptions", "recomputed_tokens", "pool_high_water_frac",
+                   "wasted_decode_steps", "idle_slot_steps", "decode_steps")
 
 
 class TrainingStopped(RuntimeError):
@@ -186,10 +192,17 @@ class Trainer:
     self.params = sh.shard_tree(params, self.param_shardings)
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if cfg.kl_coef > 0 else None)
     max_len = cfg.max_prompt_len + cfg.max_new_tokens
+    # The KV pool per device is what the memory plan leaves (the dry run prints the same
+    # plan), capped at every slot full; sequences grow into it and are preempted when it runs
+    # out.
+    self.memory_plan = plan_for_model(cfg, self.model_cfg, int(self.mesh.devices.size))
+    if not self.memory_plan.pool_fits:
+      raise ValueError(self.memory_plan.message())
     self.engine = GenerationEngine(
         model, EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len,
                             page_size=cfg.page_size, decode_chunk=cfg.decode_chunk,
-                            logprobs_topk=cfg.monitor_topk),
+                            logprobs_topk=cfg.monitor_topk,
+                            kv_cache_bytes=self.memory_plan.kv_cache_bytes),
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
         mesh=self.mesh)
     self.tx, self.lr_schedule = make_optimizer(cfg)
@@ -487,6 +500,7 @@ class Trainer:
         "time/rollout_s": t_roll, "time/recompute_s": t_recompute, "time/update_s": t_update,
         "time/step_s": time.perf_counter() - t0, "rollout/tokens": gen_tokens,
         "rollout/tokens_per_s": gen_tokens / max(t_roll, 1e-9),
+        **{f"rollout/{k}": self.engine.last_stats[k] for k in _ENGINE_METRICS},
         "compilations": self.compilations + self.engine.num_compilations,
         "skipped_update": not all_finite, "schedule": rollout_schedule,
     }

@@ -360,7 +360,7 @@ def attention_spec(schedule: SparsitySchedule, *, max_position: int | None = Non
   from sparrow_jax.models import attention as attn_lib  # models do not import schedules
 
   if schedule.is_dense:
-    return attn_lib.Dense()
+    return attn_lib.Dense(backend=backend)
   kw = dict(max_budget=max_budget(schedule, max_position), page_size=schedule.page_size,
             landmark=schedule.landmark, reserved_bos=schedule.reserved_bos,
             reserved_recent=schedule.reserved_recent, dense_layers=schedule.dense_layers,

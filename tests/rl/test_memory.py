@@ -95,23 +95,51 @@ def test_lora_bytes():
   assert sharded["lora"] == 4 * cfg.num_layers * per_layer_dev * 4
 
 
-def test_kv_cache_bytes_match_the_engine_cache():
+def test_kv_pool_is_sized_from_what_is_left_in_whole_pages():
   cfg = get_config("tiny")
-  for mesh, slots, landmark in (("1x1x1", 8, "mean"), ("2x1x1", 4, "quest"), ("1x2x1", 4, "none")):
-    plan = M.plan_memory(cfg, mesh, batch_slots=8, context_len=100, page_size=16,
-                         train_micro_batch=2, train_seq_len=64, landmark=landmark,
-                         cache_dtype="bfloat16")
-    m = math.ceil(100 / 16)
-    cache = jax.eval_shape(lambda: PagedKVCache.create(
-        num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-        num_slots=slots, num_pages=slots * m + 1, max_pages_per_seq=m, page_size=16,
-        dtype=jnp.bfloat16, landmark=landmark))
-    assert plan["kv_cache"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache))
-  # kv heads split over tensor: 2 kv heads / tensor=2 halves K/V and landmarks.
-  t1 = M.plan_memory(cfg, "1x1x1", landmark="none", **SMALL)["kv_cache"]
-  t2 = M.plan_memory(cfg, "1x1x2", landmark="none", **SMALL)["kv_cache"]
-  table = 8 * math.ceil(256 / 16) * 4 + 8 * 4
-  assert t2 - table == (t1 - table) // 2
+  per_page = M.kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                 head_dim=cfg.head_dim, page_size=16, dtype="bfloat16",
+                                 landmark="quest")
+  # The formula is what the engine's cache allocates per page (K, V, 2 landmarks per layer).
+  cache = jax.eval_shape(lambda: PagedKVCache.create(
+      num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+      num_slots=1, num_pages=10, max_pages_per_seq=1, page_size=16, dtype=jnp.bfloat16,
+      landmark="quest"))
+  pool = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((cache.k, cache.v,
+                                                                 cache.landmarks)))
+  assert pool == 10 * per_page
+  kw = dict(batch_slots=8, context_len=100, page_size=16, train_micro_batch=2,
+            train_seq_len=64, landmark="quest", cache_dtype="bfloat16")
+  tables = 8 * (math.ceil(100 / 16) * 4 + 4)
+  # Explicit bytes: whole pages of them.
+  plan = M.plan_memory(cfg, "1x1x1", kv_cache_bytes=5 * per_page + 7, **kw)
+  assert plan.kv_pool_pages == 5 and plan["kv_cache"] == 5 * per_page + tables
+  assert plan.kv_cache_bytes == 5 * per_page
+  # From memory: kv_cache_fraction of what the other rows leave of the usable memory.
+  dev = 5e6  # leaves room for ~33 pages: below the cap, above one sequence
+  plan = M.plan_memory(cfg, "1x1x1", device_bytes=dev, kv_cache_fraction=0.5, **kw)
+  others = sum(i.per_device for i in plan.items if i.name != "kv_cache")
+  assert plan.kv_pool_pages == int((0.9 * dev - others) * 0.5) // per_page
+  assert 8 < plan.kv_pool_pages < 57 and plan.fits
+  # Capped at every slot holding the whole context (+ the null page) on a big device.
+  big = M.plan_memory(cfg, "1x1x1", **kw)
+  assert big.kv_pool_pages == 8 * math.ceil(100 / 16) + 1
+  assert big.concurrency["at_max"] == 8 and big.concurrency["at_mean"] == 8
+  # Too little memory for one sequence of the maximum length: does not fit, says why.
+  tiny = M.plan_memory(cfg, "1x1x1", kv_cache_bytes=3 * per_page, **kw)
+  assert not tiny.fits and "one sequence of the maximum length" in tiny.message()
+
+
+def test_concurrency_counts_whole_sequences():
+  cfg = get_config("tiny")
+  per_page = M.kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                 head_dim=cfg.head_dim, page_size=16, dtype="float32",
+                                 landmark="mean")
+  plan = M.plan_memory(cfg, "1x1x1", batch_slots=64, context_len=1024, page_size=16,
+                       train_micro_batch=2, train_seq_len=64, mean_context_len=300,
+                       kv_cache_bytes=201 * per_page)
+  assert plan.concurrency == {"max_len": 1024, "mean_len": 300, "at_max": 200 // 64,
+                              "at_mean": 200 // 19}
 
 
 def test_activation_estimate_definition():

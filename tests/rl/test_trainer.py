@@ -1,6 +1,7 @@
 """Trainer: exact resume, non-finite steps, failing verifiers, bad input, HF export, dry run."""
 
 import json
+import re
 import os
 
 import jax
@@ -131,3 +132,17 @@ def test_dry_run_prints_the_memory_table(capsys):
   assert f"{n / 1e9:.3f} B params" in out
   assert train_cli.main(["--config", "qwen3_14b", "--dry-run", "--num-devices", "1"]) == 1
   assert "does not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_flagship_preset_fits_one_and_four_h200s(capsys, devices):
+  """The main command's preset runs on the hardware it names (the paper's setup is 4 GPUs)."""
+  assert train_cli.main(["--config", "qwen3_1p7b", "--dry-run", "--num-devices",
+                         str(devices)]) == 0
+  out = capsys.readouterr().out
+  m = re.search(r"concurrent sequences per device: (\d+) at the mean length \d+ .*?, (\d+) at "
+                r"the maximum 34816", out)
+  assert m, out
+  at_mean, at_max = int(m.group(1)), int(m.group(2))
+  assert at_max >= 1 and at_mean >= at_max  # a whole 34K-token rollout fits, and more
+  assert "KV pool:" in out and "fits." in out
