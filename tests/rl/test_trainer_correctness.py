@@ -290,7 +290,7 @@ def test_dynamic_sampling_refills_until_the_batch_is_informative(tmp_path, monke
 
 def test_dynamic_sampling_refill_is_bounded_and_keeps_the_batch_shape(tmp_path, monkeypatch):
   tr = _trainer(tmp_path, "num_steps=1", "distill=false", "dynamic_sampling=true",
-                "max_refill_rounds=1")
+                "max_refill_rounds=1", "warmstart_steps=0")
   _patch_rewards(monkeypatch, tr, ["ZZZI", "ZIZZ", "IIII"])
   tr.fit()
   rec = read_jsonl(str(tmp_path / "metrics.jsonl"))[1]
@@ -303,7 +303,7 @@ def test_dynamic_sampling_refill_is_bounded_and_keeps_the_batch_shape(tmp_path, 
 
 def test_dynamic_sampling_with_refill_resumes_exactly(tmp_path):
   args = ("distill=false", "dynamic_sampling=true", "max_refill_rounds=2", "save_every=1",
-          "reward=test_parity")  # groups informative about half the time: refills happen
+          "reward=test_parity", "warmstart_steps=0")  # groups informative about half the time: refills happen
   full = _trainer(tmp_path / "full", "num_steps=2", *args)
   full.fit()
   part = _trainer(tmp_path / "part", "num_steps=1", *args)
@@ -327,7 +327,7 @@ def test_dynamic_sampling_with_refill_resumes_exactly(tmp_path):
 def test_distill_pg_term_moves_the_lora_and_leaves_the_policy_alone(tmp_path, monkeypatch):
   runs = {}
   for name, extra in (("on", ["distill_pg_coef=1.0", "distill_pg_clip=2.0"]), ("off", [])):
-    tr = _trainer(tmp_path / name, "num_steps=1", "distill=true", *extra)
+    tr = _trainer(tmp_path / name, "num_steps=1", "distill=true", "warmstart_steps=0", *extra)
     _patch_rewards(monkeypatch, tr, ["IIII"])  # nonzero advantages for the PG term
     tr.fit()
     runs[name] = (tr, read_jsonl(str(tmp_path / name / "metrics.jsonl"))[1])
