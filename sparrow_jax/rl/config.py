@@ -4,8 +4,10 @@
 Paper symbols: G = `group_size` (rollouts per prompt), ε_low/ε_high = `eps_low`/`eps_high`
 (DAPO clip-higher), β = `kl_coef`, C = `tis_cap` (truncated importance sampling of the sparse
 rollout against the dense policy), tau = `tau` (acceptance-rate tail threshold).
+c = `dual_clip_c`, T = `temperature`.
 Defaults follow the Sparrow release's math GRPO launch script where it gives a value
-(G = 8, lr 1e-6, clip 0.2/0.28, low_var_kl with β = 0, entropy 0, top-20 log-probs kept).
+(G = 8, lr 1e-6, clip 0.2/0.28, low_var_kl with β = 0, entropy 0, top-20 log-probs kept) and
+verl's actor defaults where the script relies on them (dual clip c = 3, token-mean).
 """
 
 from __future__ import annotations
@@ -34,15 +36,16 @@ class TrainConfig:
   arith_template: str = "boxed"
   num_examples: int = 2000  # synthetic set size
   reward: str = "boxed_exact"
-  reward_timeout_s: float = 10.0
+  reward_timeout_s: float = 10.0  # per completion; a verifier past it is killed, reward 0
+  reward_workers: int = 4  # verifier processes, kept for the whole run
   overlong_buffer: int = 0  # DAPO soft overlong penalty buffer in tokens (0 = off)
   # rollout (sparse actor)
   prompts_per_step: int = 8
   group_size: int = 8  # G
   max_prompt_len: int = 512
   max_new_tokens: int = 1024
-  temperature: float = 1.0
-  top_p: float = 1.0
+  temperature: float = 1.0  # T: also divides the logits of every training-side log-prob
+  top_p: float = 1.0  # sampling only: training log-probs use the full tempered distribution
   schedule: str = "dense"  # preset name | JSON path | constant:K | dense
   page_size: int = 16
   landmark: str = "mean"
@@ -66,7 +69,7 @@ class TrainConfig:
   remat: bool = False  # recompute each layer in the backward pass (long sequences)
   eps_low: float = 0.2
   eps_high: float = 0.28
-  dual_clip_c: float | None = None
+  dual_clip_c: float | None = 3.0  # c; null turns the dual clip off
   loss_agg: str = "token-mean"
   normalize_adv_std: bool = True  # False = Dr.GRPO
   kl_coef: float = 0.0
@@ -75,6 +78,7 @@ class TrainConfig:
   tis_cap: float | None = None  # C
   tis_mask_threshold: float | None = None
   dynamic_sampling: bool = False
+  max_refill_rounds: int = 4  # extra rollout rounds to refill dropped groups (0 = no refill)
   max_bad_steps: int = 3  # NaN/inf steps in a row before the run stops
   logprob_chunk: int = 128
   # supervised warm start (random-init models only need it)
@@ -90,6 +94,8 @@ class TrainConfig:
   distill_warmup_steps: int = 10  # linear LoRA lr warm-up: Adam's first steps are full-size
   distill_coef: float = 1.0
   distill_kind: str = "k3"  # k3 | reverse_kl_full
+  distill_pg_coef: float = 0.0  # weight of the LoRA's own policy-gradient term (0 = off)
+  distill_pg_clip: float | None = 2.0  # C: its importance ratio truncated at C (null: none)
   # mismatch monitor and schedule ladder
   monitor_topk: int = 20
   mismatch_bin_size: int = 2048
@@ -97,6 +103,7 @@ class TrainConfig:
   ladder: str = ""  # comma-separated schedules after `schedule`, most aggressive last
   ladder_patience: int = 3
   probe_every: int = 5
+  probe_min_count: int = 32  # tokens a position bin needs to count in the ladder probe
   # checkpoints, logging, sharding
   out_dir: str = "runs/default"
   save_every: int = 0  # 0 = only at the end
@@ -111,13 +118,14 @@ class TrainConfig:
                "page_size", "num_slots", "decode_chunk", "ppo_epochs", "max_bad_steps",
                "logprob_chunk", "warmstart_batch", "lora_rank", "monitor_topk",
                "mismatch_bin_size", "keep_last", "ladder_patience", "probe_every",
-               "num_examples")
+               "num_examples", "reward_workers", "probe_min_count")
     for f in pos_int:
       v = getattr(self, f)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f}={v!r}: expected a positive integer")
     for f in ("num_steps", "warmup_steps", "warmstart_steps", "save_every", "mini_batch_size",
-              "micro_batch_size", "overlong_buffer", "distill_warmup_steps"):
+              "micro_batch_size", "overlong_buffer", "distill_warmup_steps",
+              "max_refill_rounds", "distill_pg_coef"):
       if getattr(self, f) < 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected >= 0")
     if self.group_size < 2:
@@ -142,8 +150,18 @@ class TrainConfig:
       raise ValueError(f"top_p={self.top_p}: expected in (0, 1]")
     if self.temperature < 0:
       raise ValueError(f"temperature={self.temperature}: expected >= 0")
+    if self.dual_clip_c is not None and not self.dual_clip_c > 1:
+      raise ValueError(f"dual_clip_c={self.dual_clip_c!r}: expected null (off) or > 1")
+    if self.distill_pg_clip is not None and not self.distill_pg_clip > 0:
+      raise ValueError(f"distill_pg_clip={self.distill_pg_clip!r}: expected null or > 0")
+    if self.distill_coef < 0 or (self.distill_coef == 0 and self.distill_pg_coef == 0):
+      raise ValueError(f"distill_coef={self.distill_coef!r}, distill_pg_coef="
+                       f"{self.distill_pg_coef!r}: expected >= 0, at least one > 0")
+    if not self.reward_timeout_s > 0:
+      raise ValueError(f"reward_timeout_s={self.reward_timeout_s!r}: expected > 0 seconds")
     choices = {"lr_schedule": ("constant", "cosine"), "landmark": ("mean", "quest"),
-               "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+               "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                            "seq-mean-token-sum-norm"),
                "kl_kind": ("k1", "k2", "k3", "low_var_kl"),
                "distill_kind": ("k3", "reverse_kl_full"),
                "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),

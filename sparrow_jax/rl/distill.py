@@ -129,9 +129,9 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
       actor that sampled (None: rho = 1); tis_cap: C (None: no truncation).
     dense_logits: [B, T, V] dense logits for "reverse_kl_full" (recomputed when None).
     temperature: the sampling temperature of the rollout (divides both logits).
-    logprob_chunk: with kind "k3" and temperature 1 the LM head runs in chunks of this many
-      positions under `jax.checkpoint` (`rl/logprobs.py`), so [B, T, V] logits never exist;
-      otherwise the sparse logits [B, T, V] are materialised.
+    logprob_chunk: with kind "k3" the LM head runs in chunks of this many positions under
+      `jax.checkpoint` (`rl/logprobs.py`), so [B, T, V] logits never exist; "reverse_kl_full"
+      materialises the sparse logits [B, T, V].
   """
   _check_kind(kind)
   if tokens.ndim != 2 or mask.shape != tokens.shape or old_dense_logp.shape != tokens.shape:
@@ -144,12 +144,12 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
   model = nnx.merge(graphdef, state)
   hidden = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
                                prompt_lengths=prompt_lengths, lora=lora)  # [B, T, D]
-  full_logits = kind == "reverse_kl_full" or temperature != 1.0
-  if full_logits:
+  if kind == "reverse_kl_full":
     logits = model.logits(hidden)  # [B, T, V] float32
     logp = logprobs_from_logits(logits, tokens, temperature)  # [B, T]
   else:
-    logp = logits_to_stats(model, hidden, tokens, chunk=logprob_chunk).logp  # [B, T]
+    logp = logits_to_stats(model, hidden, tokens, chunk=logprob_chunk,
+                           temperature=temperature).logp  # [B, T]
   m = jnp.asarray(mask, jnp.float32).at[:, 0].set(0.0)  # [B, T]
   valid = m > 0
   # Masked entries may hold anything: replace them so that no NaN reaches the gradient.

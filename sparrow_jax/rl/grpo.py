@@ -9,7 +9,7 @@ Paper symbols and the names that carry them:
   ε_low, ε_high   DAPO clip-higher: rho clipped to [1 - ε_low, 1 + ε_high] (`eps_low`,
                   `eps_high`; the Sparrow release uses 0.2 / 0.28).
   c               dual clip: for A < 0 the per-token loss is capped at -A * c (`dual_clip_c`,
-                  c > 1).
+                  c > 1; 3 by default as verl, None turns it off).
   β               KL coefficient on k1 / k3 ("low_var_kl") estimates of KL(pi_theta || pi_ref)
                   (`kl_coef`, `kl_penalty`). The release uses low_var_kl with β = 0.
   C               TIS cap: token weight w_t = min(exp(old_logp - rollout_logp), C), where the
@@ -20,10 +20,17 @@ Paper symbols and the names that carry them:
 Aggregation of a per-token loss l[b, t] with mask m[b, t] (`aggregate_loss`):
   token-mean               sum(l m) / sum(m)                        (DAPO token-level)
   seq-mean-token-mean      mean_b [ sum_t(l m) / sum_t(m) ]          (original GRPO)
+  seq-mean-token-sum       mean_b [ sum_t(l m) ]                     (sum over tokens)
   seq-mean-token-sum-norm  mean_b [ sum_t(l m) / norm_len ]          (Dr.GRPO, constant norm)
 The sequence means run over rows with at least one valid token, so rows that are all padding
 (static-shape batches) do not dilute the loss. Note verl's seq-mean-token-sum-norm divides the
 batch *sum* by T; ours is the batch *mean*, i.e. smaller by the constant B.
+
+Micro-batches (gradient accumulation): the denominators sum(m) and the number of valid rows are
+those of the whole mini-batch (`loss_denominators`), passed to every micro-batch as
+`num_tokens` / `num_seqs`; the micro-batch losses and gradients are then *summed*, which equals
+the loss of the mini-batch in one piece whatever the token counts of the micro-batches (as
+current verl does for token-mean). A micro-batch with no valid token contributes exactly 0.
 
 Everything that is a target (old_logp, ref_logp, advantages, importance weights) is wrapped in
 `stop_gradient`; gradients flow only through `logp` (and `entropy`). Log-ratios are clamped to
@@ -40,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 _LOG_RATIO_CLAMP = 20.0
 _K3_CLAMP = 10.0
@@ -107,10 +114,13 @@ def group_advantages(rewards: jax.Array, group_size: int, *, normalize_std: bool
 
 
 def aggregate_loss(per_token: jax.Array, mask: jax.Array, mode: str = "token-mean",
-                   norm_len: int | None = None) -> jax.Array:
+                   norm_len: int | None = None, *, num_tokens=None,
+                   num_seqs=None) -> jax.Array:
   """Reduces a [B, T] per-token loss to a scalar (see the module docstring for the modes).
 
-  `norm_len` is Dr.GRPO's constant (the generation budget); it defaults to T.
+  `norm_len` is Dr.GRPO's constant (the generation budget); it defaults to T. `num_tokens` /
+  `num_seqs` (scalars) replace the denominators sum(m) / number of valid rows of this batch by
+  those of a larger batch it is a micro-batch of (`loss_denominators`).
   """
   if mode not in AGG_MODES:
     raise ValueError(f"aggregate_loss: mode={mode!r}; expected one of {AGG_MODES}")
@@ -120,10 +130,13 @@ def aggregate_loss(per_token: jax.Array, mask: jax.Array, mode: str = "token-mea
   m = _f32(mask)  # [B, T]
   x = jnp.where(m > 0, _f32(per_token), 0.0) * m  # [B, T]
   if mode == "token-mean":
-    return jnp.sum(x) / jnp.maximum(jnp.sum(m), 1.0)
+    denom = jnp.sum(m) if num_tokens is None else _f32(num_tokens)
+    return jnp.sum(x) / jnp.maximum(denom, 1.0)
   tokens = jnp.sum(m, axis=-1)  # [B]
   if mode == "seq-mean-token-mean":
     seq = jnp.sum(x, axis=-1) / jnp.maximum(tokens, 1.0)  # [B]
+  elif mode == "seq-mean-token-sum":
+    seq = jnp.sum(x, axis=-1)  # [B]
   else:
     if norm_len is None:
       norm_len = per_token.shape[-1]
@@ -131,7 +144,16 @@ def aggregate_loss(per_token: jax.Array, mask: jax.Array, mode: str = "token-mea
       raise ValueError(f"aggregate_loss: norm_len={norm_len!r}; expected > 0")
     seq = jnp.sum(x, axis=-1) / float(norm_len)  # [B]
   valid = (tokens > 0).astype(jnp.float32)  # [B]
-  return jnp.sum(seq * valid) / jnp.maximum(jnp.sum(valid), 1.0)
+  denom = jnp.sum(valid) if num_seqs is None else _f32(num_seqs)
+  return jnp.sum(seq * valid) / jnp.maximum(denom, 1.0)
+
+
+def loss_denominators(mask: jax.Array) -> dict[str, jax.Array]:
+  """Denominators of `aggregate_loss` for a whole (mini-)batch mask [B, T]: the number of
+  valid tokens and of rows with at least one valid token (float32 scalars)."""
+  m = _f32(mask)  # [B, T]
+  return {"num_tokens": jnp.sum(m), "num_seqs": jnp.sum((jnp.sum(m, axis=-1) > 0)
+                                                         .astype(jnp.float32))}
 
 
 # ----------------------------------------------------------------------------- PPO clip
@@ -150,12 +172,14 @@ def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
                   mask: jax.Array, *, eps_low: float = 0.2, eps_high: float = 0.28,
                   dual_clip_c: float | None = None, agg: str = "token-mean",
                   norm_len: int | None = None,
-                  is_weights: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+                  is_weights: jax.Array | None = None, num_tokens=None,
+                  num_seqs=None) -> tuple[jax.Array, Metrics]:
   """PPO clipped surrogate with clip-higher and optional dual clip -> (loss, metrics).
 
   Per token: l = max(-A rho, -A clip(rho, 1 - ε_low, 1 + ε_high)); for A < 0 with dual clip,
   l = min(l, -A c). `is_weights` [B, T] (TIS) multiply l after clipping. Shapes: logp,
-  old_logp, mask [B, T]; advantages [B] (one per sequence) or [B, T].
+  old_logp, mask [B, T]; advantages [B] (one per sequence) or [B, T]. `num_tokens` /
+  `num_seqs`: mini-batch denominators for a micro-batch (`aggregate_loss`).
 
   Metrics (token means over the mask): clip_frac_low (A < 0 and rho < 1 - ε_low: the floor
   is active), clip_frac_high (A > 0 and rho > 1 + ε_high), dual_clip_frac (A < 0 and
@@ -197,7 +221,8 @@ def ppo_clip_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array,
                        f"{logp.shape}")
     per_token = per_token * jax.lax.stop_gradient(_f32(is_weights))
 
-  loss = aggregate_loss(per_token, mask, agg, norm_len)
+  loss = aggregate_loss(per_token, mask, agg, norm_len, num_tokens=num_tokens,
+                        num_seqs=num_seqs)
   neg_log_ratio = jax.lax.stop_gradient(-log_ratio)
   metrics.update(
       pg_loss=loss,
@@ -298,14 +323,14 @@ def rollout_correction(old_logp: jax.Array, rollout_logp: jax.Array, mask: jax.A
 class GRPOLossConfig:
   """Loss settings (hashable, so it can be a static argument of the jitted step).
 
-  Defaults follow the Sparrow release: ε_low 0.2, ε_high 0.28, low_var_kl with β = 0,
-  entropy coefficient 0. `tis_cap` (C) and `tis_mask_threshold` turn on the sparse-rollout
-  correction and then require `rollout_logp`.
+  Defaults follow the Sparrow release (verl's actor defaults): ε_low 0.2, ε_high 0.28, dual
+  clip c = 3, low_var_kl with β = 0, entropy coefficient 0. `tis_cap` (C) and
+  `tis_mask_threshold` turn on the sparse-rollout correction and then require `rollout_logp`.
   """
 
   eps_low: float = 0.2
   eps_high: float = 0.28
-  dual_clip_c: float | None = None
+  dual_clip_c: float | None = 3.0
   agg: str = "token-mean"
   norm_len: int | None = None
   kl_coef: float = 0.0
@@ -343,8 +368,8 @@ class GRPOLossConfig:
 
 def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
               config: GRPOLossConfig = GRPOLossConfig(), *, ref_logp: jax.Array | None = None,
-              rollout_logp: jax.Array | None = None,
-              entropy: jax.Array | None = None) -> tuple[jax.Array, Metrics]:
+              rollout_logp: jax.Array | None = None, entropy: jax.Array | None = None,
+              num_tokens=None, num_seqs=None) -> tuple[jax.Array, Metrics]:
   """loss = PG(w_TIS) + β KL - entropy_coeff H, each aggregated with `config.agg` -> (loss,
   metrics).
 
@@ -353,7 +378,10 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
   β > 0; KL is still reported when given); rollout_logp [B, T]: the sparse actor's log-probs
   (needed when the correction is on); entropy [B, T]: per-token entropy, e.g. from
   `entropy_from_logits` inside the grad function (needed when entropy_coeff > 0).
+  num_tokens / num_seqs: the denominators of the whole mini-batch when this is one of its
+  micro-batches (`loss_denominators(loss_mask(...))` of the mini-batch); every term uses them.
   """
+  den = dict(num_tokens=num_tokens, num_seqs=num_seqs)
   cfg = config
   weights = None
   metrics: Metrics = {}
@@ -368,14 +396,16 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
     metrics.update(is_stats)
   pg, pg_metrics = ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=cfg.eps_low,
                                  eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
-                                 agg=cfg.agg, norm_len=cfg.norm_len, is_weights=weights)
+                                 agg=cfg.agg, norm_len=cfg.norm_len, is_weights=weights,
+                                 **den)
   metrics.update(pg_metrics)
   loss = pg
   if cfg.kl_coef > 0 and ref_logp is None:
     raise ValueError(f"grpo_loss: ref_logp=None but kl_coef={cfg.kl_coef}; expected reference "
                      f"log-probs [B, T]")
   if ref_logp is not None:
-    kl = aggregate_loss(kl_penalty(logp, ref_logp, cfg.kl_kind), mask, cfg.agg, cfg.norm_len)
+    kl = aggregate_loss(kl_penalty(logp, ref_logp, cfg.kl_kind), mask, cfg.agg, cfg.norm_len,
+                        **den)
     metrics["kl"] = jax.lax.stop_gradient(kl)
     if cfg.kl_coef > 0:
       loss = loss + cfg.kl_coef * kl
@@ -383,13 +413,27 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
     raise ValueError(f"grpo_loss: entropy=None but entropy_coeff={cfg.entropy_coeff}; "
                      f"expected per-token entropy [B, T]")
   if entropy is not None:
-    ent = aggregate_loss(entropy, mask, cfg.agg, cfg.norm_len)
+    ent = aggregate_loss(entropy, mask, cfg.agg, cfg.norm_len, **den)
     metrics["entropy"] = jax.lax.stop_gradient(ent)
     if cfg.entropy_coeff > 0:
       loss = loss - cfg.entropy_coeff * ent
   metrics["loss"] = jax.lax.stop_gradient(loss)
   metrics["num_tokens"] = jnp.sum(_f32(mask))
   return loss, metrics
+
+
+def loss_mask(mask: jax.Array, config: GRPOLossConfig = GRPOLossConfig(), *,
+              old_logp: jax.Array | None = None,
+              rollout_logp: jax.Array | None = None) -> jax.Array:
+  """The mask `grpo_loss` aggregates over: `mask` [B, T] less the tokens the rollout
+  correction drops (`tis_mask_threshold`). Feed it to `loss_denominators` for a mini-batch."""
+  if config.tis_mask_threshold is None:
+    return mask
+  if old_logp is None or rollout_logp is None:
+    raise ValueError("loss_mask: tis_mask_threshold is set; expected old_logp and rollout_logp")
+  return rollout_correction(old_logp, rollout_logp, mask, tis_cap=config.tis_cap,
+                            mask_threshold=config.tis_mask_threshold,
+                            mask_low=config.tis_mask_low)[1]
 
 
 # ----------------------------------------------------------------------------- DAPO sampling
@@ -410,20 +454,29 @@ class GroupPool:
 
   `add(rewards, **arrays)` takes one rollout batch: rewards [N*G] (groups contiguous) or
   [N, G], and arrays whose leading dimension is N*G (tokens, masks, log-probs, ...); groups
-  with equal rewards are dropped. `pop(k)` returns the first k kept groups, FIFO, as a dict of
-  arrays with leading dimension k*G (plus "rewards"), leaving the rest for the next step.
+  with equal rewards are dropped (kept aside with `keep_dropped=True`). `pop(k)` returns the
+  first k kept groups, FIFO, as a dict of arrays with leading dimension k*G (plus "rewards"),
+  leaving the rest for the next step. `take(k)` returns k groups, the kept ones first and then,
+  when there are too few, dropped ones (to keep a static batch shape; the loss masks them
+  out), with the number of kept groups among them, and empties the pool.
   """
 
-  def __init__(self, group_size: int):
+  def __init__(self, group_size: int, *, keep_dropped: bool = False):
     if not isinstance(group_size, int) or group_size <= 0:
       raise ValueError(f"GroupPool.group_size={group_size!r}: expected a positive int")
     self.group_size = group_size
+    self.keep_dropped = keep_dropped
     self._chunks: list[dict[str, np.ndarray]] = []  # each array [n_kept, G, ...]
+    self._dropped: list[dict[str, np.ndarray]] = []  # zero-variance groups, same layout
     self.num_seen = 0
 
   @property
   def num_groups(self) -> int:
     return sum(len(c["rewards"]) for c in self._chunks)
+
+  @property
+  def num_dropped(self) -> int:
+    return sum(len(c["rewards"]) for c in self._dropped)
 
   def add(self, rewards, *, atol: float = 0.0, **arrays) -> int:
     """Adds the non-degenerate groups of one batch; returns how many were kept."""
@@ -441,13 +494,17 @@ class GroupPool:
     keep, _ = filter_groups(r, atol=atol)
     keep = np.asarray(keep)
     self.num_seen += r.shape[0]
-    if keep.any():
-      chunk = {"rewards": r[keep]}
-      chunk.update({k: v[keep] for k, v in grouped.items()})
-      if self._chunks and set(chunk) != set(self._chunks[0]):
-        raise ValueError(f"GroupPool.add: arrays {sorted(chunk)}; expected the same names as "
-                         f"before, {sorted(self._chunks[0])}")
-      self._chunks.append(chunk)
+    names = set(grouped) | {"rewards"}
+    first = (self._chunks or self._dropped)
+    if first and names != set(first[0]):
+      raise ValueError(f"GroupPool.add: arrays {sorted(names)}; expected the same names as "
+                       f"before, {sorted(first[0])}")
+    for sel, chunks, on in ((keep, self._chunks, True), (~keep, self._dropped,
+                                                         self.keep_dropped)):
+      if on and sel.any():
+        chunk = {"rewards": r[sel]}
+        chunk.update({k: v[sel] for k, v in grouped.items()})
+        chunks.append(chunk)
     return int(keep.sum())
 
   def pop(self, num_groups: int) -> dict[str, np.ndarray]:
@@ -460,5 +517,50 @@ class GroupPool:
     self._chunks = [rest] if len(rest["rewards"]) else []
     return {k: v.reshape((-1,) + v.shape[2:]) for k, v in out.items()}
 
+  def take(self, num_groups: int) -> tuple[dict[str, np.ndarray], int]:
+    """`num_groups` groups, kept ones first (FIFO) then dropped ones -> (arrays with leading
+    dimension num_groups*G, number of kept groups among them); the pool is emptied."""
+    if not self.keep_dropped:
+      raise ValueError("GroupPool.take needs keep_dropped=True (it pads with dropped groups)")
+    chunks = self._chunks + self._dropped
+    total = self.num_groups + self.num_dropped
+    if num_groups <= 0 or num_groups > total:
+      raise ValueError(f"GroupPool.take: num_groups={num_groups}; expected 1..{total} (groups "
+                       f"seen and kept aside)")
+    n_kept = min(self.num_groups, num_groups)
+    merged = {k: np.concatenate([c[k] for c in chunks])[:num_groups] for k in chunks[0]}
+    self._chunks, self._dropped = [], []
+    return {k: v.reshape((-1,) + v.shape[2:]) for k, v in merged.items()}, n_kept
+
   def state(self) -> Mapping[str, int]:
     return {"num_groups": self.num_groups, "num_seen": self.num_seen}
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+_SUM_METRICS = ("loss", "pg_loss", "kl", "entropy", "num_tokens")  # mini-batch denominators
+_MAX_METRICS = ("ratio_max", "is_ratio_max")
+_MIN_METRICS = ("ratio_min", "is_ratio_min")
+_INPUT_MASK_METRICS = ("is_ratio_mean", "is_frac_truncated", "is_frac_masked")
+
+
+def combine_micro_metrics(per_micro: Mapping[str, jax.Array], n_input) -> Metrics:
+  """Mini-batch metrics of `grpo_loss` from stacked per-micro-batch ones ([n_micro] each):
+  sums for the terms already divided by mini-batch denominators (loss, pg_loss, kl, entropy,
+  num_tokens), max / min over micro-batches with tokens, and token-weighted means for the rest
+  (weights: the loss mask's tokens, `num_tokens`; for the rollout-correction statistics, which
+  are means over the input mask, `n_input` [n_micro] = its tokens per micro-batch)."""
+  n_input = _f32(n_input)
+  has = n_input > 0  # [n_micro]
+  out: Metrics = {}
+  for k, v in per_micro.items():
+    if k in _SUM_METRICS:
+      out[k] = jnp.sum(v)
+    elif k in _MAX_METRICS:
+      out[k] = jnp.where(jnp.any(has), jnp.max(jnp.where(has, v, -jnp.inf)), 0.0)
+    elif k in _MIN_METRICS:
+      out[k] = jnp.where(jnp.any(has), jnp.min(jnp.where(has, v, jnp.inf)), 0.0)
+    else:
+      w = n_input if k in _INPUT_MASK_METRICS else _f32(per_micro["num_tokens"])
+      out[k] = jnp.sum(v * w) / jnp.maximum(jnp.sum(w), 1.0)
+  return out

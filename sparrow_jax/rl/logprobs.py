@@ -6,6 +6,10 @@ vocabulary and 8K-token responses those would be tens of GB.
 
 Convention: `logp[b, t] = log p(tokens[b, t] | tokens[b, :t])` for t ≥ 1 and 0 at t = 0, so a
 response mask over token positions applies to log-probs directly.
+
+`temperature` T: every statistic is of softmax(logits / T), the distribution the rollout
+sampled from (verl divides the logits by the rollout temperature in the same way). Top-p is
+not applied here: training-side log-probs are of the full tempered distribution.
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ jax.tree_util.register_dataclass(TokenStats, data_fields=["logp", "entropy", "to
 
 
 def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: int = 0,
-                    with_entropy: bool = False) -> TokenStats:
-  """Stats from final hidden states `[B, T, D]` (pre final norm) and tokens `[B, T]`."""
+                    with_entropy: bool = False, temperature: float = 1.0) -> TokenStats:
+  """Stats from final hidden states `[B, T, D]` (pre final norm) and tokens `[B, T]`, of
+  softmax(logits / temperature)."""
+  if not temperature > 0:
+    raise ValueError(f"logits_to_stats: temperature={temperature!r}; expected > 0")
   b, t, d = hidden.shape
   # Position t predicts token t + 1: shift targets left; the last position predicts nothing.
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
@@ -44,7 +51,10 @@ def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: i
   @jax.checkpoint
   def one(args):
     hc, tc = args  # [B, C, D], [B, C]
-    lp = jax.nn.log_softmax(model.logits(hc), axis=-1)  # [B, C, V] float32
+    logits = model.logits(hc)  # [B, C, V] float32
+    if temperature != 1.0:
+      logits = logits / temperature
+    lp = jax.nn.log_softmax(logits, axis=-1)  # [B, C, V]
     out = [jnp.take_along_axis(lp, tc[..., None], axis=-1)[..., 0]]
     if with_entropy:
       out.append(-jnp.sum(jnp.exp(lp) * lp, axis=-1))
@@ -72,9 +82,11 @@ def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: i
 
 def token_logprobs(model: Decoder, tokens, *, lengths=None, attention=None, budgets=None,
                    prompt_lengths=None, lora=None, chunk: int = 128, topk: int = 0,
-                   with_entropy: bool = False, remat: bool = False) -> TokenStats:
-  """Teacher-forced per-token stats of `tokens [B, T]` (dense or block-sparse, ± LoRA)."""
+                   with_entropy: bool = False, remat: bool = False,
+                   temperature: float = 1.0) -> TokenStats:
+  """Teacher-forced per-token stats of `tokens [B, T]` (dense or block-sparse, ± LoRA) under
+  softmax(logits / temperature)."""
   hidden = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
                                prompt_lengths=prompt_lengths, lora=lora, remat=remat)
   return logits_to_stats(model, hidden, tokens, chunk=chunk, topk=topk,
-                         with_entropy=with_entropy)
+                         with_entropy=with_entropy, temperature=temperature)

@@ -22,11 +22,15 @@ SIGALRM, which only works in the main thread, so the built-in verifier disables 
 (`parsing_timeout=None`, `timeout_seconds=None`) and relies on the scorer's deadline. A thread
 that hangs is abandoned (daemon; replaced by a fresh worker); a hung process worker is killed.
 Use `backend="process"` when a verifier can hang inside C code holding the GIL (e.g. sympy
-evaluating 2^(2^100)): only a process can be stopped then.
+evaluating 2^(2^100)): only a process can be stopped then. The trainer keeps one process pool
+for the whole run. Custom verifiers for the process backend must be module-level functions
+(importable by name in a fresh interpreter; registering them at import time of their module
+makes `reward=<name>` work).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -42,6 +46,7 @@ import numpy as np
 RewardFn = Callable[[str, str], float]
 
 _REGISTRY: dict[str, RewardFn] = {}
+_START_TIMEOUT_S = 120.0  # a process worker must import its verifier within this
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
@@ -237,6 +242,8 @@ class _ProcessWorker:
   def __init__(self, fn: RewardFn, ctx, wid: int):
     self.wid = wid
     self.dead = False
+    self.ready = False  # set once the child has imported `fn` and said so
+    self.started_at = time.monotonic()
     self.conn, child = ctx.Pipe()
     self.proc = ctx.Process(target=_process_worker, args=(fn, child), daemon=True,
                             name=f"reward-worker-{wid}")
@@ -248,17 +255,34 @@ class _ProcessWorker:
     finally:
       child.close()
 
-  def wait_ready(self, timeout_s: float = 120.0) -> None:
+  def wait_ready(self, timeout_s: float = _START_TIMEOUT_S) -> None:
     """Blocks until the child has imported `fn`, so start-up is not charged to a deadline."""
-    if not self.conn.poll(timeout_s):
+    if self.ready:
+      return
+    left = self.started_at + timeout_s - time.monotonic()
+    if not self.conn.poll(max(left, 0.0)):
       self.abandon()
       raise RuntimeError(f"reward worker {self.wid} did not start within {timeout_s} s")
+    self.on_message()
+
+  def on_message(self):
+    """Reads one message; the first is the start-up handshake (returns None), then results."""
     try:
-      self.conn.recv()
-    except EOFError:
-      self.abandon()
-      raise RuntimeError(f"reward worker {self.wid} exited while starting (exit code "
-                         f"{self.proc.exitcode}); could it import the reward function?")
+      msg = self.conn.recv()
+    except (EOFError, OSError):
+      if not self.ready:
+        self.abandon()
+        raise RuntimeError(f"reward worker {self.wid} exited while starting (exit code "
+                           f"{self.proc.exitcode}); could it import the reward function? "
+                           "Custom verifiers must be module-level functions, and a script that "
+                           "trains must guard its entry point with `if __name__ == "
+                           "'__main__':` (workers are started with 'spawn', which imports the "
+                           "main script)") from None
+      raise
+    if msg == ("ready",):
+      self.ready = True
+      return None
+    return msg
 
   def submit(self, item):
     self.conn.send(item)
@@ -283,8 +307,12 @@ class _ProcessWorker:
 class RewardScorer:
   """Persistent pool that scores batches with a per-item deadline; reuse it across steps.
 
-  `fn` must be picklable (a module-level function) for `backend="process"`; processes are
-  started with "spawn" (fork is unsafe once JAX has started its threads).
+  `fn` must be picklable (a module-level function, or a registered name whose module registers
+  it on import) for `backend="process"`; processes are started with "spawn" (fork is unsafe
+  once JAX has started its threads). A process worker that runs past its deadline is killed
+  and a replacement started at once without waiting for it: the other workers go on with the
+  batch, and the replacement joins when it has imported `fn`. `close()` (or the context
+  manager) stops the workers; an `atexit` hook does it for a pool left open.
   """
 
   def __init__(self, fn: RewardFn | str, *, timeout_s: float = 10.0, num_workers: int = 4,
@@ -304,26 +332,28 @@ class RewardScorer:
     self._next_wid = 0
     self._outbox: queue.Queue = queue.Queue()
     self._ctx = multiprocessing.get_context("spawn") if backend == "process" else None
-    self._workers = [self._new_worker(wait=False) for _ in range(num_workers)]
-    if backend == "process":
-      try:
+    self._workers = []
+    atexit.register(self.close)
+    try:
+      for _ in range(num_workers):
+        self._workers.append(self._new_worker())
+      if backend == "process":
         for w in self._workers:  # started together, awaited together
           w.wait_ready()
-      except Exception:
-        self.close()
-        raise
+    except Exception:
+      self.close()
+      raise
 
-  def _new_worker(self, wait: bool = True):
+  def _new_worker(self):
     self._next_wid += 1
     if self.backend == "thread":
       return _ThreadWorker(self.fn, self._outbox, self._next_wid)
-    worker = _ProcessWorker(self.fn, self._ctx, self._next_wid)
-    if wait:
-      worker.wait_ready()
-    return worker
+    return _ProcessWorker(self.fn, self._ctx, self._next_wid)
 
-  def _wait(self, busy: dict, timeout: float) -> list[tuple[int, int, bool, object]]:
-    """Results ready within `timeout` as (worker id, index, ok, value)."""
+  def _wait(self, busy: dict, starting: list, timeout: float
+            ) -> list[tuple[int, int, bool, object]]:
+    """Results ready within `timeout` as (worker id, index, ok, value); process workers that
+    finish starting meanwhile are marked ready."""
     out = []
     if self.backend == "thread":
       try:
@@ -334,11 +364,15 @@ class RewardScorer:
         pass
       return out
     conns = {w.conn: w for w, _ in busy.values()}
+    conns.update({w.conn: w for w in starting})
     for conn in multiprocessing.connection.wait(list(conns), timeout=max(timeout, 0.0)):
+      w = conns[conn]
+      if not w.ready:
+        w.on_message()  # the handshake of a replacement (raises if it died starting)
+        continue
       try:
-        out.append((conns[conn].wid,) + conn.recv())
+        out.append((w.wid,) + w.on_message())
       except (EOFError, OSError):  # the worker died (e.g. os._exit in the verifier)
-        w = conns[conn]
         w.dead = True
         out.append((w.wid, busy[w.wid][1][0], False, "WorkerDied: reward worker exited"))
     return out
@@ -347,23 +381,34 @@ class RewardScorer:
     if len(completions) != len(answers):
       raise ValueError(f"score_batch: {len(completions)} completions but {len(answers)} "
                        f"answers; expected one answer per completion")
+    if not self._workers:
+      raise RuntimeError("RewardScorer is closed")
     n = len(completions)
     rewards = np.zeros(n, np.float32)  # [B]
     errors: list[str] = []
     num_errors = num_timeouts = 0
     todo = list(range(n - 1, -1, -1))  # popped from the end: index order
-    idle = list(self._workers)
+    ready = lambda w: self.backend == "thread" or w.ready
+    idle = [w for w in self._workers if ready(w)]
+    starting = [w for w in self._workers if not ready(w)]  # replacements still importing
     busy: dict[int, tuple[object, tuple[int, float]]] = {}  # wid -> (worker, (index, deadline))
     while todo or busy:
       while todo and idle:
         w, i = idle.pop(), todo.pop()
         w.submit((i, completions[i], answers[i]))
         busy[w.wid] = (w, (i, time.monotonic() + self.timeout_s))
-      next_deadline = min(d for _, (_, d) in busy.values())
-      results = self._wait(busy, next_deadline - time.monotonic())
+      deadlines = [d for _, (_, d) in busy.values()]
+      deadlines += [w.started_at + _START_TIMEOUT_S for w in starting]
+      results = self._wait(busy, starting, min(deadlines) - time.monotonic())
+      for w in [w for w in starting if w.ready]:
+        starting.remove(w)
+        idle.append(w)
+      for w in starting:  # a replacement that never finished starting is an error
+        if time.monotonic() > w.started_at + _START_TIMEOUT_S:
+          w.wait_ready(0.0)
       if any(d <= time.monotonic() for _, (_, d) in busy.values()):
-        # Drain once more: an answer may have arrived while a replacement worker was starting.
-        results += self._wait(busy, 0.0)
+        # Drain once more: an answer may have arrived at the deadline.
+        results += self._wait(busy, [], 0.0)
       for wid, i, ok, value in results:
         if wid not in busy:  # a late answer from an abandoned thread
           continue
@@ -375,7 +420,8 @@ class RewardScorer:
           if len(errors) < self.max_logged_errors:
             errors.append(f"{i}: {value}")
           if self.backend == "process" and (w.dead or not w.proc.is_alive()):
-            w = self._replace(w)
+            starting.append(self._replace(w))
+            continue
         idle.append(w)
       now = time.monotonic()
       for wid in [wid for wid, (_, (_, d)) in busy.items() if d <= now]:
@@ -383,7 +429,8 @@ class RewardScorer:
         num_timeouts += 1
         if len(errors) < self.max_logged_errors:
           errors.append(f"{i}: Timeout: verifier ran past timeout_s={self.timeout_s}")
-        idle.append(self._replace(w))
+        new = self._replace(w)
+        (idle if self.backend == "thread" else starting).append(new)
     return ScoreResult(rewards=rewards, num_errors=num_errors, num_timeouts=num_timeouts,
                        errors=tuple(errors))
 
@@ -397,6 +444,7 @@ class RewardScorer:
     for w in self._workers:
       w.close()
     self._workers = []
+    atexit.unregister(self.close)
 
   def __enter__(self) -> "RewardScorer":
     return self

@@ -3,8 +3,10 @@
 DistillSparse lets a sparser schedule meet the same tail threshold; the paper switched from the
 0.86 table to the 0.80 table by hand after 20K examples, once the 0.80 table's p5 acceptance
 reached ~0.86. `ScheduleLadder` does this online: every `probe_every` steps the trainer
-measures the tail alpha of the *next* schedule (the candidate) with the current LoRA on a small
-probe batch (`probe_tail_alpha`), and calls `observe(tail)`; when the tail stays >= tau for
+measures the tail alpha of the *next* schedule (the candidate) with the current LoRA on the
+step's whole rollout batch (`probe_tail_alpha` over the response tokens; position bins need
+`probe_min_count` tokens, and a probe in which no bin qualifies is skipped), and calls
+`observe(tail)`; when the tail stays >= tau for
 `patience` (M) consecutive checks the ladder switches to the candidate. A check below tau
 resets the streak. The ladder only moves forward.
 
@@ -132,27 +134,43 @@ def attention_for(schedule: SparsitySchedule, max_position: int,
   return attention_spec(schedule, max_position=max_position, **overrides)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attention"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention", "chunk"))
 def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths, temperature,
-                 *, attention):
+                 *, attention, chunk):
   model = nnx.merge(graphdef, state)
-  dense = model(tokens, lengths=lengths)  # [B, T, V]
-  sparse = model(tokens, lengths=lengths, attention=attention, budgets=budgets,
-                 prompt_lengths=prompt_lengths, lora=lora)
+  dense = model.hidden_states(tokens, lengths=lengths)  # [B, T, D]
+  sparse = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
+                               prompt_lengths=prompt_lengths, lora=lora)  # [B, T, D]
+  b, t, d = dense.shape
+  # The LM head runs `chunk` positions at a time, so [B, T, V] logits never exist.
+  nc = -(-t // chunk)
+  split = lambda h: jnp.pad(h, ((0, 0), (0, nc * chunk - t), (0, 0))).reshape(
+      b, nc, chunk, d).swapaxes(0, 1)  # [nc, B, chunk, D]
+
+  def one(args):
+    hd, hs = args
+    return mismatch.acceptance_rate(model.logits(hd) / temperature,
+                                    model.logits(hs) / temperature)  # [B, chunk]
+
+  alpha = jax.lax.map(one, (split(dense), split(sparse)))  # [nc, B, chunk]
+  alpha = alpha.swapaxes(0, 1).reshape(b, nc * chunk)[:, :t]  # [B, T]
   # Token t is predicted by the logits at t - 1: alpha of token t is at index t.
-  alpha = mismatch.acceptance_rate(dense[:, :-1] / temperature, sparse[:, :-1] / temperature)
-  return jnp.pad(alpha, ((0, 0), (1, 0)))  # [B, T]
+  return jnp.pad(alpha[:, :-1], ((0, 0), (1, 0)))  # [B, T]
 
 
 def probe_alpha(graphdef, state, lora, tokens, schedule: SparsitySchedule, *,
                 prompt_lengths=None, lengths=None, attention: attn_lib.BlockSparse | None = None,
-                temperature: float = 1.0) -> np.ndarray:
-  """Exact alpha_t of every token between the dense policy and sparse(+LoRA) under `schedule`.
+                temperature: float = 1.0, chunk: int = 128) -> np.ndarray:
+  """Exact alpha_t of every token between the dense policy and sparse(+LoRA) under `schedule`,
+  both at softmax(logits / temperature) (the rollout's sampling temperature).
 
   tokens [B, T]; returns float32 [B, T] aligned with tokens (entry 0 is 0: no prediction).
   `attention` overrides the spec derived from the schedule (`attention_for`); its max_budget
   must cover the schedule's budgets. `lora=None` probes the sparse actor without adapters.
+  The LM head runs over `chunk` positions at a time.
   """
+  if not temperature > 0:
+    raise ValueError(f"probe_alpha: temperature={temperature!r}; expected > 0")
   tokens = jnp.asarray(tokens, jnp.int32)
   b, t = tokens.shape
   attention = attention if attention is not None else attention_for(schedule, t)
@@ -164,28 +182,33 @@ def probe_alpha(graphdef, state, lora, tokens, schedule: SparsitySchedule, *,
                      f"attention spec's page_size={attention.page_size}")
   budgets = teacher_forced_budgets(as_schedule(schedule), t, b)
   return np.asarray(_probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths,
-                                 lengths, jnp.float32(temperature), attention=attention))
+                                 lengths, jnp.float32(temperature), attention=attention,
+                                 chunk=min(int(chunk), t)))
 
 
 def probe_tail_alpha(graphdef, state, lora, tokens, mask, prompt_lengths, schedule, *,
                      lengths=None, attention=None, temperature: float = 1.0,
                      quantile: float = 5.0, bin_size: int | None = None,
-                     min_count: int = 1) -> float:
+                     min_count: int = 1, chunk: int = 128) -> float:
   """p-quantile (5th) of exact alpha over the masked tokens of a probe batch under `schedule`.
 
-  With `bin_size`, the minimum over position bins (>= min_count tokens) of the per-bin
-  quantile: the stricter check that every bin meets tau. NaN when no token is masked in.
+  `mask` [B, T] marks the tokens to count: the response tokens (not a reward-dependent mask;
+  alpha does not depend on rewards). With `bin_size`, the minimum over position bins holding
+  >= `min_count` tokens of the per-bin quantile (the stricter check that every bin meets tau);
+  without it, the quantile over all tokens when there are >= `min_count`. NaN when no bin (or
+  too few tokens) qualifies: the caller skips the check rather than judge on a handful of
+  tokens.
   """
   alpha = probe_alpha(graphdef, state, lora, tokens, schedule, prompt_lengths=prompt_lengths,
-                      lengths=lengths, attention=attention, temperature=temperature)
-  m = np.asarray(mask) > 0
+                      lengths=lengths, attention=attention, temperature=temperature,
+                      chunk=chunk)
+  m = np.array(mask) > 0
   m[:, 0] = False
-  if not m.any():
-    return float("nan")
   if bin_size is None:
-    return float(np.percentile(alpha[m], quantile))
+    return float(np.percentile(alpha[m], quantile)) if m.sum() >= max(min_count, 1) else \
+        float("nan")
   pos = np.broadcast_to(np.arange(alpha.shape[1]), alpha.shape)[m] // bin_size
   vals = alpha[m]
   tails = [np.percentile(vals[pos == k], quantile) for k in np.unique(pos)
-           if np.sum(pos == k) >= min_count]
+           if np.sum(pos == k) >= max(min_count, 1)]
   return float(min(tails)) if tails else float("nan")

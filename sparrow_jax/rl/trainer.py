@@ -8,12 +8,27 @@
 Jitted steps take pure pytrees: `params` (the dense policy, an `nnx.State`), the optimizer
 state, and for DistillSparse a separate `lora` tree with its own optimizer. The recompute and
 the GRPO update never receive `lora`, so the policy update cannot depend on it.
+
+Conventions that keep the pieces consistent:
+  temperature T   every training-side log-prob (recompute, update, KL reference, DistillSparse,
+                  ladder probe, the monitor's dense top-k) is of softmax(logits / T), the
+                  distribution the rollout sampled from (verl does the same). top_p < 1 only
+                  shapes sampling: the ratios compare full tempered distributions, while the
+                  engine's sampled-token log-probs are renormalised over the nucleus.
+  masks           the response mask drives the monitor, DistillSparse and the ladder probe
+                  (none depends on rewards); the dynamic-sampling mask (zero-variance groups
+                  out) drives only the GRPO loss.
+  reference       the KL reference is the policy at the start of RL (after the warm start);
+                  it is checkpointed with the run.
+  rewards         one process pool scores the whole run (`RewardScorer`); a verifier that
+                  runs past `reward_timeout_s` is killed, counted and scores 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -34,7 +49,7 @@ from sparrow_jax.rl import sharding as sh
 from sparrow_jax.rl.checkpointing import Checkpointer
 from sparrow_jax.models import lora as lora_lib
 from sparrow_jax.rl import distill as distill_lib
-from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig
+from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig, tempered_topk_logprobs
 from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
 from sparrow_jax.rl.config import TrainConfig
 from sparrow_jax.rl.dry_run import plan_for_model
@@ -47,6 +62,8 @@ from sparrow_jax.schedule import mismatch, presets
 from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec, parse_schedule,
                                            teacher_forced_budgets)
 
+
+_log = logging.getLogger(__name__)
 
 # Engine stats of each rollout logged by the trainer (see `engine.GenerationEngine`).
 _ENGINE_METRICS = ("preemptions", "recomputed_tokens", "pool_high_water_frac",
@@ -219,6 +236,13 @@ class Trainer:
     self.dataset = data_lib.PromptDataset(self.examples, batch_size=cfg.prompts_per_step,
                                           seed=cfg.seed)
     self.reward_fn: Callable = rewards_lib.get_reward(cfg.reward)
+    self._scorer: rewards_lib.RewardScorer | None = None  # started on first use
+    # The engine samples greedily at temperature 0 and then reports untempered log-probs.
+    self.temperature = cfg.temperature if cfg.temperature > 0 else 1.0
+    if cfg.top_p < 1 and (cfg.tis_cap is not None or cfg.tis_mask_threshold is not None):
+      _log.warning("top_p=%s < 1 with TIS: the rollout log-probs are renormalised over the "
+                   "nucleus, the dense ones are not, so the TIS ratio is biased low by the "
+                   "nucleus mass (see README, Configuration)", cfg.top_p)
     self.step = 0
     self.bad_steps = 0
     self.compilations = 0
@@ -263,53 +287,72 @@ class Trainer:
     chunk = cfg.logprob_chunk
     topk = cfg.monitor_topk
 
+    temp = self.temperature
+
     def recompute(params, ref_params, tokens, lengths):
       self.compilations += 1
       model = nnx.merge(graphdef, params)
-      stats = token_logprobs(model, tokens, lengths=lengths, chunk=chunk, topk=topk)
+      stats = token_logprobs(model, tokens, lengths=lengths, chunk=chunk, topk=topk,
+                             temperature=temp)
       ref = None
       if ref_params is not None:
         ref = token_logprobs(nnx.merge(graphdef, ref_params), tokens, lengths=lengths,
-                             chunk=chunk).logp
+                             chunk=chunk, temperature=temp).logp
       return stats.logp, stats.topk_ids, stats.topk_logp, ref
 
     n_micro = cfg.mini_batch // cfg.micro_batch
 
-    def loss_fn(p, mb):
+    def loss_fn(p, mb, den):
       model = nnx.merge(graphdef, p)
       st = token_logprobs(model, mb["tokens"], lengths=mb["lengths"], chunk=chunk,
-                          with_entropy=cfg.entropy_coeff > 0, remat=cfg.remat)
+                          with_entropy=cfg.entropy_coeff > 0, remat=cfg.remat,
+                          temperature=temp)
       return grpo.grpo_loss(st.logp, mb["old_logp"], mb["advantages"], mb["mask"], loss_cfg,
                             ref_logp=mb.get("ref_logp"), rollout_logp=mb.get("rollout_logp"),
-                            entropy=st.entropy)
+                            entropy=st.entropy, **den)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def update(params, opt_state, batch):
-      """One optimizer step on a mini-batch; gradients averaged over its micro-batches."""
-      self.compilations += 1
+    def mini_batch_grads(params, batch):
+      """(loss, metrics, grads) of one mini-batch, accumulated over its micro-batches.
+
+      Every micro-batch divides by the token / sequence counts of the whole mini-batch and the
+      pieces are summed, so the result equals the mini-batch in one piece (verl's token-mean);
+      a micro-batch without valid tokens adds exactly zero.
+      """
+      den = grpo.loss_denominators(grpo.loss_mask(
+          batch["mask"], loss_cfg, old_logp=batch["old_logp"],
+          rollout_logp=batch.get("rollout_logp")))
       if n_micro == 1:
-        (loss, metrics), grads = grad_fn(params, batch)
-      else:
-        split = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
-        first = jax.tree.map(lambda x: x[0], split)
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                             jax.eval_shape(grad_fn, params, first))
+        (loss, metrics), grads = grad_fn(params, batch, den)
+        return loss, metrics, grads
+      split = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
+      zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
 
-        def body(acc, mb):
-          out = grad_fn(params, mb)
-          return jax.tree.map(lambda a, b: a + b / n_micro, acc, out), None
+      def body(acc, mb):
+        (loss, metrics), grads = grad_fn(params, mb, den)
+        n_in = jnp.sum(mb["mask"].astype(jnp.float32))
+        return jax.tree.map(jnp.add, acc, grads), (loss, metrics, n_in)
 
-        ((loss, metrics), grads), _ = jax.lax.scan(body, zeros, split)
+      grads, (losses, per_micro, n_in) = jax.lax.scan(body, zeros, split)
+      return jnp.sum(losses), grpo.combine_micro_metrics(per_micro, n_in), grads
+
+    def update(params, opt_state, batch):
+      """One optimizer step on a mini-batch (gradients summed over its micro-batches)."""
+      self.compilations += 1
+      loss, metrics, grads = mini_batch_grads(params, batch)
       params, opt_state, ok, gnorm = _guarded_apply(self.tx, params, opt_state, grads, loss)
       return params, opt_state, dict(metrics, loss=loss, grad_norm=gnorm, finite=ok)
 
     self._recompute = jax.jit(recompute)
+    self._grads = jax.jit(mini_batch_grads)  # for tests and diagnostics (no update)
     self._update = jax.jit(update, donate_argnums=(0, 1))
 
   def _build_distill(self):
     cfg = self.cfg
     dcfg = distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
+                                     pg_coef=cfg.distill_pg_coef, tis_cap=cfg.distill_pg_clip,
+                                     temperature=self.temperature,
                                      logprob_chunk=cfg.logprob_chunk)
     self._distill_step = distill_lib.make_distill_step(self.graphdef, self.attention,
                                                        self.lora_tx, dcfg)
@@ -365,6 +408,8 @@ class Trainer:
                                    jnp.asarray(mask))
       losses.append(float(loss))
     self.engine.set_state(self.params)
+    if self.ref_params is not None:  # the KL reference is the policy RL starts from
+      self.ref_params = jax.tree.map(jnp.copy, self.params)
     out = {"warmstart/loss_first": losses[0], "warmstart/loss_last": losses[-1],
            "warmstart/steps": len(losses)}
     if logger is not None:
@@ -380,24 +425,47 @@ class Trainer:
     return ids + ([eos] if eos is not None else [])
 
   # --- one RL step -----------------------------------------------------------------------
-  def rollout(self, examples, step: int):
+  def rollout(self, examples, step: int, round_: int = 0):
+    """G samples of every prompt; `round_` > 0 are dynamic-sampling refills (other seeds)."""
     cfg = self.cfg
     reqs = []
     for i, e in enumerate(examples):
       ids = encode_prompt(self.tokenizer, e, cfg.chat_template)
       for g in range(cfg.group_size):
-        seed = (cfg.seed * 1_000_003 + step * 9_176 + i * cfg.group_size + g) & 0x7FFFFFFF
+        seed = (cfg.seed * 1_000_003 + step * 9_176 + i * cfg.group_size + g
+                + round_ * 0x5BD1E995) & 0x7FFFFFFF
         reqs.append(Request(ids, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                                 max_new_tokens=cfg.max_new_tokens, seed=seed),
                             (i, g)))
     lora = self.lora if self.cfg.distill else None
     return self.engine.generate(reqs, lora=lora)
 
+  @property
+  def scorer(self) -> rewards_lib.RewardScorer:
+    """The run's verifier pool: processes started on first use, reused until `close()`."""
+    if self._scorer is None:
+      self._scorer = rewards_lib.RewardScorer(
+          self.reward_fn, timeout_s=self.cfg.reward_timeout_s,
+          num_workers=self.cfg.reward_workers, backend="process")
+    return self._scorer
+
+  def close(self) -> None:
+    """Stops the verifier processes (also at exit; a later `score` starts new ones)."""
+    if self._scorer is not None:
+      self._scorer.close()
+      self._scorer = None
+
+  def __enter__(self) -> "Trainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def score(self, examples, completions):
     cfg = self.cfg
     texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     answers = [examples[c.request_id[0]].answer for c in completions]
-    res = rewards_lib.score_batch(self.reward_fn, texts, answers, timeout_s=cfg.reward_timeout_s)
+    res = self.scorer(texts, answers)
     r = np.asarray(res.rewards, np.float32)
     if cfg.overlong_buffer:
       r = r + rewards_lib.overlong_penalty([len(c.token_ids) for c in completions],
@@ -430,15 +498,56 @@ class Trainer:
                 rollout_logp=rollout_logp, rollout_topk_ids=r_ids, rollout_topk_logp=r_lp,
                 prompt_lens=prompt_lens)
 
+  def generate_groups(self, step: int) -> tuple[list, np.ndarray, dict[str, Any]]:
+    """Rollouts and rewards of one step -> (completions, rewards [B], info).
+
+    Without dynamic sampling: one round of `prompts_per_step` groups. With it (DAPO), groups
+    whose rewards are all equal carry no signal; while fewer than `prompts_per_step`
+    informative groups are at hand, up to `max_refill_rounds` more rounds of new prompts are
+    generated (the data position advances, so it is checkpointed). The batch is the first
+    informative groups, then, if rounds ran out, zero-variance groups that the loss masks out,
+    so its shape never changes. `info` carries every generated completion and reward.
+    """
+    cfg = self.cfg
+    g, n_prompts = cfg.group_size, cfg.prompts_per_step
+    pool = grpo.GroupPool(g, keep_dropped=True)
+    comps, rewards, results = [], [], []
+    engine_stats = {k: 0 for k in _ENGINE_METRICS}
+    t_roll = t_score = 0.0
+    while True:
+      examples = self.dataset.next_batch()
+      t0 = time.perf_counter()
+      new = self.rollout(examples, step, len(results))
+      t1 = time.perf_counter()
+      for k in _ENGINE_METRICS:  # summed over refill rounds (the high-water mark: max)
+        v = self.engine.last_stats[k]
+        engine_stats[k] = max(engine_stats[k], v) if k.endswith("_frac") else engine_stats[k] + v
+      r, res = self.score(examples, new)
+      t_roll, t_score = t_roll + t1 - t0, t_score + time.perf_counter() - t1
+      pool.add(r, index=np.arange(len(comps), len(comps) + len(new)))
+      comps += new
+      rewards.append(r)
+      results.append(res)
+      if (not cfg.dynamic_sampling or pool.num_groups >= n_prompts
+          or len(results) > cfg.max_refill_rounds):
+        break
+    rewards = np.concatenate(rewards)  # [rounds * B]
+    # One round: the batch in generation order; more: informative groups first.
+    index = (np.arange(len(comps)) if len(results) == 1
+             else pool.take(n_prompts)[0]["index"])
+    info = {"completions": comps, "rewards": rewards, "rounds": len(results),
+            "rollout_s": t_roll, "reward_s": t_score, "engine": engine_stats,
+            "num_errors": sum(x.num_errors for x in results),
+            "num_timeouts": sum(x.num_timeouts for x in results)}
+    return [comps[i] for i in index], rewards[index], info
+
   def train_step(self) -> dict[str, Any]:
     cfg = self.cfg
     step = self.step + 1
     t0 = time.perf_counter()
     rollout_schedule = self.schedule.name  # the ladder may switch at the end of this step
-    examples = self.dataset.next_batch()
-    comps = self.rollout(examples, step)
-    t_roll = time.perf_counter() - t0
-    rewards, score_res = self.score(examples, comps)
+    comps, rewards, gen = self.generate_groups(step)
+    t_roll = gen["rollout_s"]
     batch = self.make_batch(comps)
     t1 = time.perf_counter()
     old_logp, d_ids, d_lp, ref_logp = self._recompute(
@@ -450,12 +559,13 @@ class Trainer:
     adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
                                            normalize_std=cfg.normalize_adv_std))
     groups = rewards.reshape(-1, g)
-    zero_var = np.all(groups == groups[:, :1], axis=1)
-    mask = batch["mask"].copy()
+    zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
+    response_mask = batch["mask"]  # [B, T]: monitor, DistillSparse, probe (reward-free)
+    mask = response_mask.copy()  # [B, T]: the GRPO loss
     if cfg.dynamic_sampling:
       mask *= np.repeat(~zero_var, g)[:, None]
     # Live mismatch monitor: top-k lower bound of alpha between sparse actor and dense policy.
-    mon = self._monitor(batch, np.asarray(d_ids), np.asarray(d_lp), mask)
+    mon = self._monitor(batch, np.asarray(d_ids), np.asarray(d_lp), response_mask)
     # GRPO update(s): mini-batches over the batch, `ppo_epochs` passes.
     t2 = time.perf_counter()
     full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old_logp),
@@ -472,38 +582,48 @@ class Trainer:
     if cfg.distill:
       t3 = time.perf_counter()
       b, t = batch["tokens"].shape
-      dbatch = dict(tokens=batch["tokens"], mask=mask, old_logp=np.asarray(old_logp),
+      dbatch = dict(tokens=batch["tokens"], mask=response_mask, old_logp=np.asarray(old_logp),
                     budgets=np.asarray(teacher_forced_budgets(self.schedule, t, b)),
                     prompt_lengths=batch["prompt_lens"], lengths=batch["lengths"])
+      if cfg.distill_pg_coef > 0:  # the LoRA's own truncated-IS policy gradient
+        dbatch.update(advantages=adv.astype(np.float32), rollout_logp=batch["rollout_logp"])
       self.lora, self.lora_opt_state, dm = self._distill_step(
           self.lora, self.lora_opt_state, self.params,
           sh.shard_batch(dbatch, self.mesh))
       dist_metrics = {k: float(v) for k, v in jax.device_get(dm).items()}
       dist_metrics["time/distill_s"] = time.perf_counter() - t3
-    ladder_metrics = self._maybe_switch(step, batch, mask)
+    ladder_metrics = self._maybe_switch(step, batch, response_mask)
     self.step = step
     self.bad_steps = 0 if all_finite else self.bad_steps + 1
-    resp_lens = np.array([len(c.token_ids) for c in comps])
+    all_comps, all_rewards = gen["completions"], gen["rewards"]  # every generated sample
+    resp_lens = np.array([len(c.token_ids) for c in all_comps])
     gen_tokens = int(resp_lens.sum())
+    all_groups = all_rewards.reshape(-1, g)
     mean = lambda key: float(np.mean([float(m[key]) for m in upd_metrics]))
     out = {
-        "reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
-        "reward/frac_zero_var_groups": float(zero_var.mean()),
-        "reward/verifier_errors": score_res.num_errors,
-        "reward/verifier_timeouts": score_res.num_timeouts,
+        "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std()),
+        "reward/frac_zero_var_groups": float(np.mean(np.all(all_groups == all_groups[:, :1],
+                                                            axis=1))),
+        "reward/verifier_errors": gen["num_errors"],
+        "reward/verifier_timeouts": gen["num_timeouts"],
         "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),
-        "response/clip_ratio": float(np.mean([c.finish_reason != "stop" for c in comps])),
+        "response/clip_ratio": float(np.mean([c.finish_reason != "stop" for c in all_comps])),
         "loss/total": mean("loss"), "loss/policy": mean("pg_loss"),
         "loss/clip_frac_low": mean("clip_frac_low"), "loss/clip_frac_high": mean("clip_frac_high"),
         "loss/approx_kl": mean("approx_kl"), "grad_norm": mean("grad_norm"),
         "lr": float(self.lr_schedule(int(jax.device_get(self._opt_count())))),
-        "time/rollout_s": t_roll, "time/recompute_s": t_recompute, "time/update_s": t_update,
+        "time/rollout_s": t_roll, "time/reward_s": gen["reward_s"],
+        "time/recompute_s": t_recompute, "time/update_s": t_update,
         "time/step_s": time.perf_counter() - t0, "rollout/tokens": gen_tokens,
         "rollout/tokens_per_s": gen_tokens / max(t_roll, 1e-9),
-        **{f"rollout/{k}": self.engine.last_stats[k] for k in _ENGINE_METRICS},
+        **{f"rollout/{k}": v for k, v in gen["engine"].items()},
         "compilations": self.compilations + self.engine.num_compilations,
         "skipped_update": not all_finite, "schedule": rollout_schedule,
     }
+    if cfg.dynamic_sampling:
+      out.update({"dynamic_sampling/rounds": gen["rounds"],
+                  "dynamic_sampling/informative_groups": int((~zero_var).sum()),
+                  "dynamic_sampling/generated_groups": len(all_groups)})
     for key in ("kl", "entropy", "is_weight_mean", "is_ratio_max", "is_frac_truncated",
                 "is_frac_masked"):
       if key in upd_metrics[0]:
@@ -513,23 +633,29 @@ class Trainer:
     out.update(ladder_metrics)
     return out
 
-  def _maybe_switch(self, step: int, batch, mask) -> dict[str, Any]:
-    """Probe the next, more aggressive schedule (with the current LoRA) on this rollout;
-    switch after `ladder_patience` consecutive probes with tail alpha >= tau."""
+  def _maybe_switch(self, step: int, batch, response_mask) -> dict[str, Any]:
+    """Probe the next, more aggressive schedule (with the current LoRA) on this step's whole
+    rollout batch, over its response tokens; switch after `ladder_patience` consecutive
+    probes with tail alpha >= tau. Position bins with fewer than `probe_min_count` tokens do
+    not count; when none qualifies the probe is skipped (`ladder/probe_skipped`)."""
     if self.ladder is None or self.ladder.candidate is None or not self.ladder.should_probe(step):
       return {} if self.ladder is None else dict(self.ladder.metrics())
-    n = min(self.cfg.group_size, batch["tokens"].shape[0])  # a small probe batch
+    cfg = self.cfg
     tail = probe_tail_alpha(
-        self.graphdef, self.params, self.lora, jnp.asarray(batch["tokens"][:n]),
-        jnp.asarray(mask[:n]), jnp.asarray(batch["prompt_lens"][:n]), self.ladder.candidate,
-        lengths=jnp.asarray(batch["lengths"][:n]), bin_size=self.cfg.mismatch_bin_size)
+        self.graphdef, self.params, self.lora, jnp.asarray(batch["tokens"]),
+        jnp.asarray(response_mask), jnp.asarray(batch["prompt_lens"]), self.ladder.candidate,
+        lengths=jnp.asarray(batch["lengths"]), bin_size=cfg.mismatch_bin_size,
+        min_count=cfg.probe_min_count, temperature=self.temperature, chunk=cfg.logprob_chunk)
+    if not np.isfinite(tail):
+      return dict(self.ladder.metrics(), **{"ladder/probe_skipped": 1.0})
     candidate = self.ladder.candidate
     if self.ladder.observe(tail, step=step):
       self._switch_schedule(self.ladder.current)
       print(f"step {step}: switched schedule to {candidate.name} (probe tail alpha "
-            f"{tail:.3f} >= tau {self.cfg.tau} for {self.cfg.ladder_patience} checks)",
+            f"{tail:.3f} >= tau {cfg.tau} for {cfg.ladder_patience} checks)",
             flush=True)
-    return dict(self.ladder.metrics(), **{"ladder/probe_tail_alpha": tail})
+    return dict(self.ladder.metrics(), **{"ladder/probe_tail_alpha": tail,
+                                          "ladder/probe_skipped": 0.0})
 
   def apply_updates(self, full: dict[str, np.ndarray]) -> tuple[list[dict], bool]:
     """`ppo_epochs` passes of mini-batch updates over a prepared batch (host arrays)."""
@@ -552,8 +678,12 @@ class Trainer:
 
   def _monitor(self, batch, dense_ids, dense_lp, mask) -> dict[str, float]:
     """Per-bin tail of Sparrow's online statistic: the top-k lower bound of alpha between
-    the sparse actor (top-k kept during rollout) and the dense recompute."""
-    return self.monitor.update(batch["rollout_topk_ids"], batch["rollout_topk_logp"],
+    the sparse actor (top-k kept during rollout) and the dense recompute, both at the rollout
+    temperature. The engine keeps the untempered top-k: `tempered_topk_logprobs` bounds the
+    tempered values from below, so the result stays a lower bound (exact at T = 1)."""
+    sparse_lp = tempered_topk_logprobs(batch["rollout_topk_logp"], self.temperature,
+                                       self.model_cfg.vocab_size)
+    return self.monitor.update(batch["rollout_topk_ids"], sparse_lp,
                                dense_ids, dense_lp, mask, step=self.step + 1)
 
   # --- checkpoints -----------------------------------------------------------------------
@@ -617,6 +747,14 @@ class Trainer:
 
   # --- the loop --------------------------------------------------------------------------
   def fit(self) -> dict[str, Any]:
+    """Warm start (at step 0), then RL steps up to `num_steps`; the verifier processes are
+    stopped when it returns or raises."""
+    try:
+      return self._fit()
+    finally:
+      self.close()
+
+  def _fit(self) -> dict[str, Any]:
     cfg = self.cfg
     logger = MetricsLogger(cfg.out_dir, total_steps=cfg.num_steps, tensorboard=cfg.tensorboard,
                            start_step=self.step, quiet=self.quiet)

@@ -29,6 +29,8 @@ def _np_aggregate(per_token, mask, mode, norm_len=None):
   tok = mask.sum(-1)
   if mode == "seq-mean-token-mean":
     seq = x.sum(-1) / np.maximum(tok, 1.0)
+  elif mode == "seq-mean-token-sum":
+    seq = x.sum(-1)
   else:
     seq = x.sum(-1) / (norm_len or per_token.shape[-1])
   valid = tok > 0
@@ -91,12 +93,28 @@ class AggregateTest(chex.TestCase):
   @parameterized.named_parameters(
       ("token_mean", "token-mean", None, 17.0 / 5.0),  # (1+2+3+5+6) / 5 tokens
       ("seq_mean_token_mean", "seq-mean-token-mean", None, (6.0 / 3 + 11.0 / 2) / 2),
+      ("seq_mean_token_sum", "seq-mean-token-sum", None, (6.0 + 11.0) / 2),
       ("dr_grpo_default_T", "seq-mean-token-sum-norm", None, (6.0 / 4 + 11.0 / 4) / 2),
       ("dr_grpo_norm_8", "seq-mean-token-sum-norm", 8, (6.0 / 8 + 11.0 / 8) / 2),
   )
   def test_modes_hand_values(self, mode, norm_len, want):
     got = self.variant(lambda x, m: grpo.aggregate_loss(x, m, mode, norm_len))(PER_TOKEN, MASK)
     chex.assert_trees_all_close(got, jnp.float32(want), atol=1e-6)
+
+  def test_micro_batches_with_global_denominators_sum_to_the_whole(self):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(8, 7))
+    mask = (rng.uniform(size=(8, 7)) < 0.5).astype(np.float64)
+    mask[2:4] = 0  # a fully masked micro-batch (rows 2, 3) must contribute exactly 0
+    mask[4, :] = 1  # uneven token counts across micro-batches
+    for mode in grpo.AGG_MODES:
+      whole = _np_aggregate(x, mask, mode, 5)
+      den = grpo.loss_denominators(jnp.asarray(mask, jnp.float32))
+      parts = [grpo.aggregate_loss(jnp.asarray(x[s:s + 2], jnp.float32),
+                                   jnp.asarray(mask[s:s + 2], jnp.float32), mode, 5, **den)
+               for s in range(0, 8, 2)]
+      assert float(parts[1]) == 0.0, mode
+      np.testing.assert_allclose(float(sum(parts)), whole, rtol=1e-5, atol=1e-6, err_msg=mode)
 
   def test_empty_mask_is_zero_and_bad_mode(self):
     z = jnp.zeros((2, 3))
@@ -404,3 +422,30 @@ def test_group_pool_refill():
     pool.pop(1)
   with pytest.raises(ValueError, match="leading dimension"):
     pool.add(np.zeros(4), ids=np.arange(3))
+
+
+def test_group_pool_take_pads_with_dropped_groups():
+  pool = grpo.GroupPool(group_size=2, keep_dropped=True)
+  pool.add(np.array([1.0, 1.0, 0.0, 1.0, 2.0, 2.0]), ids=np.arange(6))  # Z I Z
+  pool.add(np.array([3.0, 3.0, 1.0, 0.0]), ids=np.arange(10, 14))  # Z I
+  assert (pool.num_groups, pool.num_dropped) == (2, 3)
+  out, n_kept = pool.take(4)  # 2 informative (FIFO), then the first 2 zero-variance groups
+  assert n_kept == 2
+  np.testing.assert_array_equal(out["ids"], [2, 3, 12, 13, 0, 1, 4, 5])
+  np.testing.assert_array_equal(out["rewards"], [0, 1, 1, 0, 1, 1, 2, 2])
+  assert (pool.num_groups, pool.num_dropped) == (0, 0)  # leftovers are discarded
+  with pytest.raises(ValueError, match="keep_dropped=True"):
+    grpo.GroupPool(group_size=2).take(1)
+  with pytest.raises(ValueError, match="num_groups=1"):
+    pool.take(1)
+
+
+def test_combine_micro_metrics():
+  per = {"loss": jnp.array([0.5, 0.25, 0.0]), "num_tokens": jnp.array([2.0, 6.0, 0.0]),
+         "clip_frac_high": jnp.array([1.0, 0.0, 0.0]), "ratio_max": jnp.array([1.5, 1.2, 0.0]),
+         "ratio_min": jnp.array([0.9, 0.7, 0.0]), "is_frac_masked": jnp.array([0.5, 0.0, 0.0])}
+  out = grpo.combine_micro_metrics(per, jnp.array([4.0, 6.0, 0.0]))  # micro 2 is empty
+  want = {"loss": 0.75, "num_tokens": 8.0, "clip_frac_high": 2.0 / 8.0, "ratio_max": 1.5,
+          "ratio_min": 0.7, "is_frac_masked": 2.0 / 10.0}
+  for k, v in want.items():
+    np.testing.assert_allclose(float(out[k]), v, rtol=1e-6, err_msg=k)

@@ -194,3 +194,17 @@ def test_scorer_argument_errors():
     R.score_batch("exact_match", ["a", "b"], ["a"])
   with pytest.raises(ValueError, match="module-level function"):
     R.RewardScorer(lambda c, a: 1.0, backend="process")
+
+
+def test_replacing_a_hung_worker_does_not_hold_up_the_batch():
+  from tests.rl.slow_start_verifier import hang_or_match  # workers need 3 s to start
+  with R.RewardScorer(hang_or_match, timeout_s=1.0, num_workers=2, backend="process") as s:
+    t0 = time.monotonic()
+    res = s(["x", "a", "b", "c"], ["hang", "a", "b", "z"])
+    elapsed = time.monotonic() - t0
+    np.testing.assert_array_equal(res.rewards, [0, 1, 1, 0])
+    assert res.num_timeouts == 1
+    assert elapsed < 2.5, f"{elapsed=:.2f}s: the 3 s start of the replacement was waited for"
+    assert sum(not w.ready for w in s._workers) == 1  # the replacement is still starting
+    again = s(["d", "e", "f"], ["d", "e", "f"])  # served by the live worker, then both
+    np.testing.assert_array_equal(again.rewards, [1, 1, 1])

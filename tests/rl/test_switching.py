@@ -119,3 +119,35 @@ def test_ladder_driven_by_real_probes():
   spec_auto = attention_for(get_schedule("qwen3-1.7b-0.86"), 3999)  # bins 0-1 reachable
   assert spec_auto.max_budget == 61 and spec_auto.dense_layers == (0, 1)
   assert spec_auto.page_size == 16
+
+
+def test_probe_alpha_in_time_chunks_matches_full_logits_at_temperature():
+  """The probe's LM head runs `chunk` positions at a time (T = 40 is not a multiple of 16);
+  it equals the float64 alpha of the full tempered logits, and a bin needs `min_count`
+  tokens: when none has them the tail is NaN (the trainer skips the check)."""
+  from flax import nnx
+  from sparrow_jax.schedule import mismatch
+  from sparrow_jax.schedule.schedule import teacher_forced_budgets
+  cfg, graphdef, state = sharp_tiny()
+  b, t, p, temp = 2, 40, 16, 0.7
+  tokens = jnp.asarray(np.random.default_rng(1).integers(3, cfg.vocab_size, (b, t)), jnp.int32)
+  pl = jnp.full((b,), p, jnp.int32)
+  spec = sparse_spec(max_budget=1)
+  tight = constant(1).replace(name="tight", dense_layers=(0,))
+  alpha = probe_alpha(graphdef, state, None, tokens, tight, attention=spec, prompt_lengths=pl,
+                      temperature=temp, chunk=16)
+  model = nnx.merge(graphdef, state)
+  dense_logits = np.asarray(model(tokens), np.float64)
+  sparse_logits = np.asarray(model(tokens, attention=spec, budgets=teacher_forced_budgets(
+      tight, t, b), prompt_lengths=pl), np.float64)
+  want = mismatch.acceptance_rate_numpy(dense_logits[:, :-1] / temp,
+                                        sparse_logits[:, :-1] / temp)
+  np.testing.assert_allclose(alpha[:, 1:], want, atol=2e-5)
+  assert np.all(alpha[:, 0] == 0)
+  mask = np.zeros((b, t))
+  mask[:, p:] = 1  # 24 response tokens per row, bins of 16 positions: 32 and 16 tokens
+  kw = dict(attention=spec, temperature=temp, bin_size=16, chunk=16)
+  ok = probe_tail_alpha(graphdef, state, None, tokens, mask, pl, tight, min_count=20, **kw)
+  np.testing.assert_allclose(ok, np.percentile(alpha[:, p:32], 5), rtol=1e-6)  # bin 1 only
+  assert np.isnan(probe_tail_alpha(graphdef, state, None, tokens, mask, pl, tight,
+                                   min_count=40, **kw))

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from sparrow_jax.rl import rewards as rewards_lib
+from tests.rl import reward_helpers  # noqa: F401  (registers the test verifiers)
 from sparrow_jax.rl.config import get_train_config
 from sparrow_jax.rl.metrics import read_jsonl
 from sparrow_jax.rl.trainer import Trainer, TrainingStopped
@@ -77,13 +77,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
 
 
 def test_crashing_verifier_gives_zero_reward_and_is_counted(tmp_path):
-  name = "test_flaky_exact"
-  if name not in rewards_lib.list_rewards():
-    @rewards_lib.register_reward(name)
-    def flaky(completion, answer):
-      if len(completion) % 2:
-        raise RuntimeError("verifier exploded")
-      return rewards_lib.exact_match(completion, answer)
+  name = "test_flaky_exact"  # registered by tests/rl/reward_helpers.py (module-level)
   tr = Trainer(_cfg(tmp_path, "num_steps=1", f"reward={name}", "distill=false"), quiet=True)
   tr.fit()
   rec = read_jsonl(str(tmp_path / "metrics.jsonl"))[1]

@@ -35,6 +35,7 @@ def test_policy_after_one_step_is_bitwise_identical_with_and_without_distill(tmp
 def _ladder_run(tmp, tau):
   tr = _trainer(tmp, "num_steps=4", "distill=true", "schedule=constant:3",
                 "ladder=constant:2,constant:1", "probe_every=1", "ladder_patience=2",
+                "probe_min_count=4",
                 f"tau={tau}")
   tr.fit()
   return tr, read_jsonl(str(tmp / "metrics.jsonl"))
