@@ -57,7 +57,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from sparrow_jax.engine.sampling import SamplingParams, sample_tokens, topk_logprobs
 from sparrow_jax.engine.scheduler import Scheduler, SeqState
 from sparrow_jax.models import attention as attn_lib
-from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.models.decoder import Decoder, rope_tables
 from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page, pages_for
 from sparrow_jax.models.quality_head import init_quality_head, quality_logits
 from sparrow_jax.engine.pruning import Detection, GroupTracker, PruneCandidate, PruneHook
@@ -303,6 +303,12 @@ class GenerationEngine:
                 jnp.where(upd, idx, ix)]
       return tuple(new)
 
+    # RoPE tables of the whole chunk, computed once outside the loop: an active slot's step j
+    # writes at position lengths + j (an inactive slot's outputs are discarded anyway).
+    pos = cache.lengths[None, :] + jnp.arange(c, dtype=jnp.int32)[:, None]  # [C, B]
+    mc = self.model_config
+    cos_t, sin_t = rope_tables(pos, mc.head_dim, mc.rope_theta)  # [C, B, Dh] x2
+
     def cond(carry):
       step, _, _, active, _, _, _ = carry
       return (step < c) & jnp.any(active)
@@ -313,8 +319,11 @@ class GenerationEngine:
       if self.schedule is not None:
         budgets = budget_pages(self.schedule, cache.lengths + 1, table)
       pos = cache.lengths  # position of the input token
+      rope = (jax.lax.dynamic_index_in_dim(cos_t, step, 0, keepdims=False),
+              jax.lax.dynamic_index_in_dim(sin_t, step, 0, keepdims=False))
       cache, logits, hidden = model.decode(cache, tok, active, attention=self.attention,
-                                           budgets=budgets, lora=lora, return_hidden=True)
+                                           budgets=budgets, lora=lora, return_hidden=True,
+                                           rope=rope)
       if det is not None:
         rec = record(rec, tok, pos, active, hidden.astype(jnp.float32))
       new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks)

@@ -76,9 +76,13 @@ def sample_tokens(logits, seeds, positions, temperature, top_p, top_k):
   needs_filter = jnp.any(((top_p < 1.0) | (top_k > 0)) & ~greedy)
   filtered = jax.lax.cond(needs_filter, lambda x: _filter_logits(x, top_p, top_k),
                           lambda x: x, scaled)
-  keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds, positions)
-  gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
-  sampled = jnp.argmax(filtered + gumbel, axis=-1)
+  def draw(x):  # Gumbel-max sample of every row (the noise is most of a CPU step's sampling)
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds,
+                                                                               positions)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
+    return jnp.argmax(x + gumbel, axis=-1)
+
+  sampled = jax.lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw, filtered)
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
   dist = jnp.where(greedy[:, None], logits, filtered)
   logp = jax.nn.log_softmax(dist, axis=-1)

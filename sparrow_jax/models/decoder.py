@@ -106,8 +106,9 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=pd)
       self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=pd)
 
-  def qkv(self, x, positions, lora=None):
-    """x `[..., D]` -> q `[..., N, H]`, k, v `[..., K, H]` with norms and RoPE applied."""
+  def qkv(self, x, positions, lora=None, rope=None):
+    """x `[..., D]` -> q `[..., N, H]`, k, v `[..., K, H]` with norms and RoPE applied.
+    `rope`: the (cos, sin) tables of `positions` when the caller computed them already."""
     dt = self.dtype
     lora = lora or {}
     x = x.astype(dt)
@@ -124,7 +125,8 @@ class Attention(nnx.Module):
     if self.cfg.qk_norm:
       q = self.q_norm(q)
       k = self.k_norm(k)
-    cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    cos, sin = rope if rope is not None else rope_tables(positions, self.cfg.head_dim,
+                                                          self.cfg.rope_theta)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def out(self, o, lora=None):
@@ -305,7 +307,7 @@ class Decoder(nnx.Module):
   # --- paged cache: one decode step -----------------------------------------------------
   def decode(self, cache: PagedKVCache, tokens, active, *,
              attention: attn_lib.AttentionSpec | None = None, budgets=None, lora=None,
-             return_hidden: bool = False):
+             return_hidden: bool = False, rope=None):
     """Append one token per slot and return its logits.
 
     Args:
@@ -315,6 +317,10 @@ class Decoder(nnx.Module):
       attention: `Dense()` or `BlockSparse(...)`.
       budgets: int32 `[B]` top-k page budget of each slot at this step (BlockSparse only).
       return_hidden: also return the final-normed hidden state `[B, D]` (quality heads).
+      rope: optional precomputed (cos, sin) `[B, Dh]` of the positions `cache.lengths` (the
+        engine computes a whole chunk's once, outside its decode loop: XLA:CPU would otherwise
+        fuse the cos/sin into the per-page scoring of block-sparse layers and re-evaluate them
+        for every page).
     Returns:
       (cache with lengths advanced for active slots, float32 logits `[B, V]`), plus the
       hidden state with `return_hidden`.
@@ -323,10 +329,12 @@ class Decoder(nnx.Module):
     positions = cache.lengths  # [B]
     x = self.embed(tokens)  # [B, D]
     new_lengths = positions + active.astype(jnp.int32)
+    if rope is None:  # one (cos, sin) table per step, shared by every layer
+      rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [B, Dh] x2
     for i, layer in enumerate(self.layers):
       ll = self._layer_lora(lora, i)
       h = layer.input_norm(x)
-      q, k, v = layer.attn.qkv(h, positions, ll)  # [B, N, H], [B, K, H]
+      q, k, v = layer.attn.qkv(h, positions, ll, rope=rope)  # [B, N, H], [B, K, H]
       cache = cache.write_token(i, k, v, active)
       o = attn_lib.decode_attention(attention, i, q, cache, new_lengths, budgets=budgets)
       x = x + layer.attn.out(o, ll)

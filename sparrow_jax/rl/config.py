@@ -17,6 +17,13 @@ import typing
 from typing import Any, Sequence
 
 
+_ARROL_KEYS = {"mode": "arrol_mode", "keep_rate": "arrol_keep_rate", "target": "arrol_target",
+               "lam": "arrol_lambda", "p_min": "arrol_p_min", "p_max": "arrol_p_max",
+               "num_bins": "arrol_bins", "warmup_steps": "arrol_warmup_steps",
+               "detect_len": "arrol_detect_len", "head_lr": "arrol_head_lr",
+               "steer": "arrol_steer"}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
   # model
@@ -96,6 +103,19 @@ class TrainConfig:
   distill_kind: str = "k3"  # k3 | reverse_kl_full
   distill_pg_coef: float = 0.0  # weight of the LoRA's own policy-gradient term (0 = off)
   distill_pg_clip: float | None = 2.0  # C: its importance ratio truncated at C (null: none)
+  # ARRoL: online rollout pruning with a learned quality head (issue 11, rl/arrol.py)
+  arrol: bool = False
+  arrol_mode: str = "head"  # head | random (ablation: prune at the same keep rate at random)
+  arrol_keep_rate: float = 0.5  # kappa: expected fraction of a group's scored rollouts kept
+  arrol_target: float = 0.5  # rho: target positive ratio among kept rollouts (authors: 0.4)
+  arrol_detect_len: int = 512  # L_detect: generated tokens before the keep/prune decision
+  arrol_lambda: float = 0.5  # lambda: steering strength
+  arrol_p_min: float = 0.25
+  arrol_p_max: float = 0.75
+  arrol_bins: int = 128  # calibration bins of the head score
+  arrol_warmup_steps: int = 20  # steps without pruning while the head learns
+  arrol_head_lr: float = 0.01  # Adam on the head (authors' code)
+  arrol_steer: str = "paper"  # paper | signed (see rl/arrol.py: the paper's rule and ours)
   # mismatch monitor and schedule ladder
   monitor_topk: int = 20
   mismatch_bin_size: int = 2048
@@ -152,6 +172,20 @@ class TrainConfig:
       raise ValueError(f"temperature={self.temperature}: expected >= 0")
     if self.dual_clip_c is not None and not self.dual_clip_c > 1:
       raise ValueError(f"dual_clip_c={self.dual_clip_c!r}: expected null (off) or > 1")
+    if self.arrol:
+      if self.arrol_detect_len < 1 or self.arrol_detect_len >= self.max_new_tokens:
+        raise ValueError(f"arrol_detect_len={self.arrol_detect_len}: expected 1 <= L_detect < "
+                         f"max_new_tokens={self.max_new_tokens} (pruning decides on a prefix)")
+      if self.dynamic_sampling:
+        raise ValueError("arrol=true with dynamic_sampling=true: not supported yet (DAPO's "
+                         "refill assumes groups of group_size; ARRoL prunes inside groups)")
+      try:  # ArrolConfig validates the ranges and names the field
+        self.arrol_config()
+      except ValueError as e:  # name the TrainConfig key, not the ArrolConfig field
+        msg = str(e)
+        for field, key in _ARROL_KEYS.items():
+          msg = msg.replace(f"ArrolConfig.{field}=", f"{key}=")
+        raise ValueError(msg) from None
     if self.distill_pg_clip is not None and not self.distill_pg_clip > 0:
       raise ValueError(f"distill_pg_clip={self.distill_pg_clip!r}: expected null or > 0")
     if self.distill_coef < 0 or (self.distill_coef == 0 and self.distill_pg_coef == 0):
@@ -170,6 +204,15 @@ class TrainConfig:
     for f, ok in choices.items():
       if getattr(self, f) not in ok:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected one of {ok}")
+
+  def arrol_config(self):
+    """The `rl.arrol.ArrolConfig` these `arrol_*` keys describe."""
+    from sparrow_jax.rl.arrol import ArrolConfig
+    return ArrolConfig(mode=self.arrol_mode, keep_rate=self.arrol_keep_rate,
+                       target=self.arrol_target, lam=self.arrol_lambda, p_min=self.arrol_p_min,
+                       p_max=self.arrol_p_max, num_bins=self.arrol_bins,
+                       warmup_steps=self.arrol_warmup_steps, detect_len=self.arrol_detect_len,
+                       head_lr=self.arrol_head_lr, steer=self.arrol_steer)
 
   @property
   def batch_size(self) -> int:
@@ -211,7 +254,7 @@ PRESETS: dict[str, TrainConfig] = {
         warmstart_lr=3e-3,
         warmstart_batch=32, distill=True, lora_rank=4, distill_lr=3e-4,
         out_dir="runs/tiny", tensorboard=True, mismatch_bin_size=8, monitor_topk=8,
-        probe_every=4),
+        probe_every=4, arrol_detect_len=1, arrol_warmup_steps=10),
     "smollm2_135m": TrainConfig(
         model="smollm2_135m", arith_min_digits=1, arith_max_digits=2, arith_template="boxed",
         reward="boxed_exact", prompts_per_step=4, group_size=4, max_prompt_len=128,

@@ -110,6 +110,30 @@ def group_advantages(rewards: jax.Array, group_size: int, *, normalize_std: bool
   return centered.reshape(r.shape)
 
 
+def ragged_group_advantages(rewards, group_ids, *, normalize_std: bool = True,
+                            eps: float = 1e-6, ddof: int = 1) -> np.ndarray:
+  """`group_advantages` for groups of unequal sizes (ARRoL prunes some members of a group):
+  rewards `[N]`, group_ids `[N]` (any hashable labels, members need not be contiguous) ->
+  float32 advantages `[N]`. A group of one member, or of equal rewards, gets 0; the unbiased
+  std of a group of n members divides by max(n - ddof, 1). Host-side (numpy): group sizes
+  change every step, so a traced version would recompile."""
+  r = np.asarray(rewards, np.float64).reshape(-1)
+  ids = list(group_ids)
+  if len(ids) != r.size:
+    raise ValueError(f"ragged_group_advantages: {r.size} rewards but {len(ids)} group ids")
+  out = np.zeros_like(r)
+  groups: dict = {}
+  for i, g in enumerate(ids):
+    groups.setdefault(g, []).append(i)
+  for idx in groups.values():
+    x = r[idx]
+    c = x - x.mean()
+    if normalize_std:
+      c = c / (np.sqrt(np.sum(c * c) / max(len(idx) - ddof, 1)) + eps)
+    out[idx] = c
+  return out.astype(np.float32)
+
+
 # ----------------------------------------------------------------------------- aggregation
 
 

@@ -48,6 +48,7 @@ from sparrow_jax.rl import grpo, rewards as rewards_lib
 from sparrow_jax.rl import sharding as sh
 from sparrow_jax.rl.checkpointing import Checkpointer
 from sparrow_jax.models import lora as lora_lib
+from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig, tempered_topk_logprobs
 from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
@@ -154,6 +155,14 @@ def encode_prompt(tokenizer, example: data_lib.PromptExample, use_chat: bool) ->
   text = data_lib.apply_chat_template(tokenizer if use_chat else None, example)
   return list(tokenizer(text, add_special_tokens=not (use_chat and tokenizer.chat_template))
               ["input_ids"])
+
+
+def _frac_zero_var(rewards, group_ids) -> float:
+  """Fraction of groups (of any sizes) whose rewards are all equal."""
+  groups: dict = {}
+  for r, g in zip(np.asarray(rewards), group_ids):
+    groups.setdefault(g, []).append(r)
+  return float(np.mean([len(set(v)) == 1 for v in groups.values()])) if groups else 0.0
 
 
 def _bucket(n: int, minimum: int = 32) -> int:
@@ -272,6 +281,12 @@ class Trainer:
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
                                      save_every=cfg.save_every or max(cfg.num_steps, 1))
+    # ARRoL: the quality head, its optimizer and calibrator; the engine prunes with it.
+    self.arrol = self._arrol_hook = None
+    if cfg.arrol:
+      self.arrol = arrol_lib.ArrolPruner(cfg.arrol_config(), self.model_cfg.hidden_size,
+                                         seed=cfg.seed + 11)
+      self.arrol_stop_ids = arrol_lib.stop_token_ids(self.tokenizer)
     self._build_jitted()
 
   # --- jitted functions ------------------------------------------------------------------
@@ -300,7 +315,7 @@ class Trainer:
                              chunk=chunk, temperature=temp).logp
       return stats.logp, stats.topk_ids, stats.topk_logp, ref
 
-    n_micro = cfg.mini_batch // cfg.micro_batch
+    micro = cfg.micro_batch if cfg.micro_batch < cfg.mini_batch else None
 
     def loss_fn(p, mb, den):
       model = nnx.merge(graphdef, p)
@@ -323,6 +338,8 @@ class Trainer:
       den = grpo.loss_denominators(grpo.loss_mask(
           batch["mask"], loss_cfg, old_logp=batch["old_logp"],
           rollout_logp=batch.get("rollout_logp")))
+      # Micro-batches of `micro_batch` rows (a mini-batch of ARRoL survivors may be shorter).
+      n_micro = 1 if micro is None else batch["tokens"].shape[0] // micro
       if n_micro == 1:
         (loss, metrics), grads = grad_fn(params, batch, den)
         return loss, metrics, grads
@@ -436,9 +453,13 @@ class Trainer:
                 + round_ * 0x5BD1E995) & 0x7FFFFFFF
         reqs.append(Request(ids, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                                 max_new_tokens=cfg.max_new_tokens, seed=seed),
-                            (i, g)))
+                            (i, g), group=(round_, i)))
     lora = self.lora if self.cfg.distill else None
-    return self.engine.generate(reqs, lora=lora)
+    self._arrol_hook = None
+    if self.arrol is not None:
+      self._arrol_hook = arrol_lib.ArrolHook(self.arrol, self.arrol_stop_ids, seed=cfg.seed,
+                                             step=step)
+    return self.engine.generate(reqs, lora=lora, prune=self._arrol_hook)
 
   @property
   def scorer(self) -> rewards_lib.RewardScorer:
@@ -473,17 +494,19 @@ class Trainer:
                                            buffer_len=cfg.overlong_buffer)
     return r, res
 
-  def make_batch(self, completions):
-    """Pad prompt+response into `[B, T]` arrays; response tokens carry the mask."""
+  def make_batch(self, completions, rows: int | None = None):
+    """Pad prompt+response into `[B, T]` arrays; response tokens carry the mask. `rows` >= B
+    adds padding rows (one token, mask 0)."""
     k = self.cfg.monitor_topk
     lens = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
-    b, t = len(completions), _bucket(max(lens))
+    lens += [1] * ((rows or len(completions)) - len(completions))
+    b, t = len(lens), _bucket(max(lens))
     tokens = np.zeros((b, t), np.int32)
     mask = np.zeros((b, t), np.float32)
     rollout_logp = np.zeros((b, t), np.float32)
     r_ids = np.zeros((b, t, k), np.int32)
     r_lp = np.full((b, t, k), -1e9, np.float32)
-    prompt_lens = np.zeros((b,), np.int32)
+    prompt_lens = np.ones((b,), np.int32)
     for j, c in enumerate(completions):
       p, n = len(c.prompt_ids), len(c.token_ids)
       tokens[j, :p] = c.prompt_ids
@@ -511,20 +534,24 @@ class Trainer:
     cfg = self.cfg
     g, n_prompts = cfg.group_size, cfg.prompts_per_step
     pool = grpo.GroupPool(g, keep_dropped=True)
-    comps, rewards, results = [], [], []
+    comps, rewards, results, pruned_comps = [], [], [], []
     engine_stats = {k: 0 for k in _ENGINE_METRICS}
     t_roll = t_score = 0.0
     while True:
       examples = self.dataset.next_batch()
       t0 = time.perf_counter()
       new = self.rollout(examples, step, len(results))
+      if self.arrol is not None:  # pruned rollouts have no answer to score: they leave here
+        pruned_comps += [c for c in new if c.pruned]
+        new = [c for c in new if not c.pruned]
       t1 = time.perf_counter()
       for k in _ENGINE_METRICS:  # summed over refill rounds (the high-water mark: max)
         v = self.engine.last_stats[k]
         engine_stats[k] = max(engine_stats[k], v) if k.endswith("_frac") else engine_stats[k] + v
       r, res = self.score(examples, new)
       t_roll, t_score = t_roll + t1 - t0, t_score + time.perf_counter() - t1
-      pool.add(r, index=np.arange(len(comps), len(comps) + len(new)))
+      if self.arrol is None:  # (ARRoL's groups are ragged; it excludes dynamic sampling)
+        pool.add(r, index=np.arange(len(comps), len(comps) + len(new)))
       comps += new
       rewards.append(r)
       results.append(res)
@@ -537,6 +564,7 @@ class Trainer:
              else pool.take(n_prompts)[0]["index"])
     info = {"completions": comps, "rewards": rewards, "rounds": len(results),
             "rollout_s": t_roll, "reward_s": t_score, "engine": engine_stats,
+            "pruned": pruned_comps,
             "num_errors": sum(x.num_errors for x in results),
             "num_timeouts": sum(x.num_timeouts for x in results)}
     return [comps[i] for i in index], rewards[index], info
@@ -548,7 +576,7 @@ class Trainer:
     rollout_schedule = self.schedule.name  # the ladder may switch at the end of this step
     comps, rewards, gen = self.generate_groups(step)
     t_roll = gen["rollout_s"]
-    batch = self.make_batch(comps)
+    batch = self.make_batch(comps, rows=self._batch_rows(len(comps)))
     t1 = time.perf_counter()
     old_logp, d_ids, d_lp, ref_logp = self._recompute(
         self.params, self.ref_params, jnp.asarray(batch["tokens"]),
@@ -556,10 +584,16 @@ class Trainer:
     old_logp = jax.block_until_ready(old_logp)
     t_recompute = time.perf_counter() - t1
     g = cfg.group_size
-    adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
-                                           normalize_std=cfg.normalize_adv_std))
-    groups = rewards.reshape(-1, g)
-    zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
+    rows = batch["tokens"].shape[0]
+    if self.arrol is None:
+      adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
+                                             normalize_std=cfg.normalize_adv_std))
+      groups = rewards.reshape(-1, g)
+      zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
+    else:  # groups of unequal size once ARRoL pruned some members
+      adv = grpo.ragged_group_advantages(rewards, [c.request_id[0] for c in comps],
+                                         normalize_std=cfg.normalize_adv_std)
+    adv = np.pad(adv, (0, rows - len(adv)))  # padding rows (mask 0) of a survivor batch
     response_mask = batch["mask"]  # [B, T]: monitor, DistillSparse, probe (reward-free)
     mask = response_mask.copy()  # [B, T]: the GRPO loss
     if cfg.dynamic_sampling:
@@ -595,15 +629,19 @@ class Trainer:
     ladder_metrics = self._maybe_switch(step, batch, response_mask)
     self.step = step
     self.bad_steps = 0 if all_finite else self.bad_steps + 1
-    all_comps, all_rewards = gen["completions"], gen["rewards"]  # every generated sample
+    all_comps, all_rewards = gen["completions"], gen["rewards"]  # every scored sample
     resp_lens = np.array([len(c.token_ids) for c in all_comps])
-    gen_tokens = int(resp_lens.sum())
-    all_groups = all_rewards.reshape(-1, g)
+    gen_tokens = int(resp_lens.sum()) + sum(len(c.token_ids) for c in gen["pruned"])
+    arrol_metrics = self._arrol_update(comps, rewards, gen["pruned"])
+    if self.arrol is None:
+      all_groups = all_rewards.reshape(-1, g)
+      frac_zero_var = float(np.mean(np.all(all_groups == all_groups[:, :1], axis=1)))
+    else:
+      frac_zero_var = _frac_zero_var(all_rewards, [c.request_id[0] for c in all_comps])
     mean = lambda key: float(np.mean([float(m[key]) for m in upd_metrics]))
     out = {
         "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std()),
-        "reward/frac_zero_var_groups": float(np.mean(np.all(all_groups == all_groups[:, :1],
-                                                            axis=1))),
+        "reward/frac_zero_var_groups": frac_zero_var,
         "reward/verifier_errors": gen["num_errors"],
         "reward/verifier_timeouts": gen["num_timeouts"],
         "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),
@@ -631,6 +669,45 @@ class Trainer:
     out.update(mon)
     out.update(dist_metrics)
     out.update(ladder_metrics)
+    out.update(arrol_metrics)
+    return out
+
+  def _batch_rows(self, n: int) -> int:
+    """Rows of the training batch for `n` rollouts. Without ARRoL n is the batch size. ARRoL's
+    survivors are re-batched: padded (mask 0) to whole micro-batches, or, when a mini-batch is
+    one piece, to a power of two, so the recompute and update cost follow the survivors while
+    only a few shapes compile."""
+    cfg = self.cfg
+    if self.arrol is None or n == cfg.batch_size:
+      return n
+    if cfg.micro_batch < cfg.mini_batch:
+      return -(-n // cfg.micro_batch) * cfg.micro_batch
+    if cfg.mini_batch < cfg.batch_size:
+      return -(-n // cfg.mini_batch) * cfg.mini_batch
+    return min(cfg.batch_size, max(8, 1 << (max(n, 1) - 1).bit_length()))
+
+  def _arrol_update(self, comps, rewards, pruned) -> dict[str, Any]:
+    """Train the quality head on this step's labelled rollouts (label: reward > 0) and report
+    ARRoL's metrics (paper Tables 4/5): kept fraction, E[rho_hat], E[rho_hat (1 - rho_hat)]
+    over groups, head accuracy and AUC (scores taken before the update: held out)."""
+    if self.arrol is None:
+      return {}
+    n_kept, n_all = len(comps), len(comps) + len(pruned)
+    # A rollout that ended at its first token (sampled by the prefill) never reached a
+    # decode step: it has no hidden state to learn from.
+    seen = [j for j, c in enumerate(comps) if c.detect_hidden is not None]
+    hidden = np.stack([comps[j].detect_hidden for j in seen]).astype(np.float32).reshape(
+        len(seen), self.model_cfg.hidden_size)  # [N, D]
+    labels = (np.asarray(rewards)[seen] > 0).astype(np.float32)
+    head = self.arrol.train(hidden, labels)
+    rho_mean, rho_var = arrol_lib.rho_hat_stats(rewards, [c.request_id[0] for c in comps])
+    out = {"arrol/kept_frac": n_kept / max(n_all, 1), "arrol/pruned": n_all - n_kept,
+           "arrol/rho_hat_mean": rho_mean, "arrol/rho_hat_var": rho_var,
+           "arrol/head_acc": head["acc"], "arrol/head_auc": head["auc"],
+           "arrol/head_loss": head["loss"], "arrol/warmup": float(self.arrol.warming_up)}
+    if self._arrol_hook is not None:
+      out.update(self._arrol_hook.metrics())
+    self.arrol.end_step()
     return out
 
   def _maybe_switch(self, step: int, batch, response_mask) -> dict[str, Any]:
@@ -663,7 +740,7 @@ class Trainer:
     mb = cfg.mini_batch
     metrics, all_finite = [], True
     for _ in range(cfg.ppo_epochs):
-      for s in range(0, cfg.batch_size, mb):
+      for s in range(0, full["tokens"].shape[0], mb):
         mbatch = sh.shard_batch({k: v[s:s + mb] for k, v in full.items()}, self.mesh)
         self.params, self.opt_state, m = self._update(self.params, self.opt_state, mbatch)
         m = jax.device_get(m)
@@ -694,12 +771,17 @@ class Trainer:
     if self.lora is not None:
       st["lora"] = self.lora
       st["lora_opt_state"] = self.lora_opt_state
+    if self.arrol is not None:  # head and its Adam state (step and calibrator: metadata)
+      st["arrol"] = {"params": self.arrol.params, "opt_state": self.arrol.opt_state}
     return st
 
   def _metadata(self) -> dict[str, Any]:
     return {"step": self.step, "data": self.dataset.state_dict(), "bad_steps": self.bad_steps,
             "config": self.cfg.to_dict(), "schedule": self.schedule.to_dict(),
             "ladder": self._ladder_state(),
+            "arrol": (None if self.arrol is None else
+                      {"step": self.arrol.step,
+                       "calibrator": self.arrol.calibrator.state_dict()}),
             # Sampling keys are fold_in(PRNGKey(seed), position) with seed derived from
             # (config seed, step, prompt, sample): the step and seed fix every random draw.
             "rng": {"seed": self.cfg.seed, "scheme": "per-request fold_in(seed, position)"}}
@@ -724,6 +806,13 @@ class Trainer:
     self.ref_params = state.get("ref_params", self.ref_params)
     if "lora" in state:
       self.lora, self.lora_opt_state = state["lora"], state["lora_opt_state"]
+    if self.arrol is not None and "arrol" in state:
+      am = meta["arrol"]
+      self.arrol.load_state_dict({
+          "step": am["step"], "params": state["arrol"]["params"],
+          "opt_state": state["arrol"]["opt_state"],
+          "calibrator": {k: np.asarray(v, np.int64) for k, v in am["calibrator"].items()
+                         if k.endswith("_counts")}})
     self.step = int(meta["step"])
     self.bad_steps = int(meta.get("bad_steps", 0))
     self.dataset.load_state_dict(meta["data"])

@@ -449,3 +449,22 @@ def test_combine_micro_metrics():
           "ratio_min": 0.7, "is_frac_masked": 2.0 / 10.0}
   for k, v in want.items():
     np.testing.assert_allclose(float(out[k]), v, rtol=1e-6, err_msg=k)
+
+
+def test_ragged_group_advantages_equal_the_fixed_size_ones_and_handle_pruned_groups():
+  rng = np.random.default_rng(4)
+  r = rng.integers(0, 2, 12).astype(np.float32)
+  fixed = np.asarray(grpo.group_advantages(jnp.asarray(r), 4))
+  ids = np.repeat(np.arange(3), 4)
+  perm = rng.permutation(12)  # members need not be contiguous
+  rag = grpo.ragged_group_advantages(r[perm], ids[perm])
+  np.testing.assert_allclose(rag, fixed[perm], atol=1e-6)
+  # Unequal sizes: [1, 0, 1] -> mean 2/3, unbiased std sqrt(1/3); a singleton gets 0.
+  adv = grpo.ragged_group_advantages([1.0, 0.0, 1.0, 5.0], ["a", "a", "a", "b"])
+  s = np.sqrt(((1 / 3) ** 2 * 2 + (2 / 3) ** 2) / 2)
+  np.testing.assert_allclose(adv, [(1 / 3) / (s + 1e-6), (-2 / 3) / (s + 1e-6),
+                                   (1 / 3) / (s + 1e-6), 0.0], rtol=1e-5)
+  dr = grpo.ragged_group_advantages([1.0, 0.0, 1.0], [0, 0, 0], normalize_std=False)
+  np.testing.assert_allclose(dr, [1 / 3, -2 / 3, 1 / 3], rtol=1e-6)
+  with pytest.raises(ValueError, match="3 rewards but 2 group ids"):
+    grpo.ragged_group_advantages([1.0, 0.0, 1.0], [0, 0])
