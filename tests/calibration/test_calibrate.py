@@ -238,3 +238,32 @@ def test_cli_errors_exit_2(tmp_path, prompts_file, capsys):
   rc, _ = cli.run(_argv(out, prompts_file, 0.9))
   assert rc == 2 and "other settings" in capsys.readouterr().err
   assert json.loads((out / "manifest.json").read_text()) == {"seed": 123}
+
+
+def test_plot_labels_follow_their_bins_when_a_bin_is_empty(tmp_path, monkeypatch):
+  """Bin 1 has no tokens: its point is dropped, and bin 2's point keeps bin 2's budget (the
+  labels were zipped with the filtered points, so they shifted)."""
+  import types
+
+  import matplotlib.axes
+
+  nan = float("nan")
+  stats = types.SimpleNamespace(centre=np.array([40.0, 120.0, 200.0]),
+                                p5=np.array([0.95, nan, 0.90]), count=np.array([30, 0, 25]))
+  res = types.SimpleNamespace(
+      config=types.SimpleNamespace(tau=0.86, bin_size=80, page_size=4, actor_budget=4),
+      budgets=(1, 2, 4), stats={k: stats for k in (1, 2, 4)},
+      p5=np.array([[0.95, 0.96, 0.97], [nan, nan, nan], [0.70, 0.80, 0.90]]),
+      schedule=SparsitySchedule(budgets=(1, 2, 4), bin_size=80, page_size=4),
+      schedule_stats=stats, num_bins=3)
+  labels = []
+  real = matplotlib.axes.Axes.annotate
+  monkeypatch.setattr(matplotlib.axes.Axes, "annotate",
+                      lambda self, text, xy, **kw: labels.append((text, tuple(xy)))
+                      or real(self, text, xy, **kw))
+  cal.plot_p5(res, str(tmp_path / "re_measured.png"))
+  assert labels == [("1", (40.0, 0.95)), ("4", (200.0, 0.90))]
+  labels.clear()
+  res.schedule_stats = None  # from the table: the chosen budget's column, per bin
+  cal.plot_p5(res, str(tmp_path / "table.png"))
+  assert labels == [("1", (40.0, 0.95)), ("4", (200.0, 0.90))]
