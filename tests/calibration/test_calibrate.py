@@ -17,6 +17,7 @@ import csv
 import importlib.util
 import json
 import os
+import traceback
 
 import numpy as np
 import pytest
@@ -80,6 +81,20 @@ def prompts_file(tmp_path_factory):
   return p
 
 
+def _run_interrupted(fn) -> None:
+  """Call `fn`, which must stop with the simulated Ctrl-C, and release what the interrupted
+  run held right away: the KeyboardInterrupt's traceback holds every frame of the calibration
+  (model, engine, jitted closures). Cleared here, none of it is left for the session's final
+  garbage collection, where the suite reported a stray KeyboardInterrupt (issue 12, item 15;
+  not reproduced on the 2-core dev machine, so this is the likely cause, not a proven one)."""
+  try:
+    fn()
+  except KeyboardInterrupt as e:
+    traceback.clear_frames(e.__traceback__)
+  else:
+    pytest.fail("the simulated Ctrl-C did not stop the run")
+
+
 def test_calibration_end_to_end_resume_and_schedule(tmp_path, prompts_file, monkeypatch):
   out = tmp_path / "calib"
   calls = []
@@ -95,8 +110,7 @@ def test_calibration_end_to_end_resume_and_schedule(tmp_path, prompts_file, monk
 
   # 1. Interrupted run: budgets 1 and 2 finish and are cached; budget 4 is not.
   interrupt = [True]
-  with pytest.raises(KeyboardInterrupt):
-    cli.run(_argv(out, prompts_file, tau=0.999))
+  _run_interrupted(lambda: cli.run(_argv(out, prompts_file, tau=0.999)))
   assert calls == [(1,), (2,), (4,)]
   assert (out / "alpha_budget_1.npz").is_file() and (out / "alpha_budget_2.npz").is_file()
   assert not (out / "alpha_budget_4.npz").exists()
