@@ -226,7 +226,10 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 3,
-               save_every: int = 1, async_save: bool = True):
+               save_every: int = 1, async_save: bool = True, read_only: bool = False):
+    """`read_only=True` (evaluation, export, generation from a run that may still be
+    training): the directory is neither created nor swept of unfinished saves, and `save`
+    refuses."""
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
       raise ValueError(f"Checkpointer keep_last={keep_last!r}: expected a positive int or None")
     if not isinstance(save_every, int) or save_every < 1:
@@ -234,11 +237,14 @@ class Checkpointer:
     self.directory = os.path.abspath(os.fspath(directory))
     self.keep_last = keep_last
     self.save_every = save_every
-    self._remove_partial_saves()
+    self.read_only = read_only
+    if not read_only:  # another process may be writing a step we would take for debris
+      self._remove_partial_saves()
     # Orbax's own cleanup_tmp_directories runs in a background future that can outlive a short
     # process; the synchronous sweep above does the same job deterministically.
+    # (orbax's own read_only option only logs warnings; `save` guards instead)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep_last, create=True, enable_async_checkpointing=async_save)
+        max_to_keep=keep_last, create=not read_only, enable_async_checkpointing=async_save)
     self._mgr = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -274,6 +280,8 @@ class Checkpointer:
     existing step raises ValueError. With `force`, the step is saved regardless and an
     existing one is replaced. Returns True when a save was started.
     """
+    if self.read_only:
+      raise ValueError(f"Checkpointer({self.directory}) is read-only: cannot save step {step}")
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
       raise ValueError(f"checkpoint step={step!r}: expected a non-negative int")
     step = int(step)

@@ -203,7 +203,7 @@ def load_run_policy(out_dir: str, *, lora: bool = False,
     abstract["lora"] = lora_lib.init_lora(model.cfg, lcfg, jax.random.PRNGKey(0))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                          sharding=x.sharding), abstract)
-  ck = Checkpointer(ck_dir)
+  ck = Checkpointer(ck_dir, read_only=True)  # the run may still be training
   step, state, meta, _ = ck.restore_latest_intact(abstract, partial=True, report=report)
   ck.close()
   schedule = build_schedule(cfg)

@@ -328,9 +328,11 @@ class Trainer:
       self.lora_tx = distill_lib.default_optimizer(lr)
       self.lora_opt_state = self.lora_tx.init(self.lora)
       self._build_distill()
+    # Without a dataset this trainer only reads a run (which may still be training).
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
-                                     save_every=cfg.save_every or max(cfg.num_steps, 1))
+                                     save_every=cfg.save_every or max(cfg.num_steps, 1),
+                                     read_only=not with_dataset)
     self._build_jitted()
 
   # --- jitted functions ------------------------------------------------------------------
@@ -776,7 +778,10 @@ class Trainer:
       if self.bad_steps == 0 and self.checkpointer.latest_step() != self.step:
         self.save_checkpoint(force=True)  # (a resumed, finished run keeps its checkpoint)
       self.checkpointer.wait()
-      if cfg.export_hf and not stop.signame:
+      if cfg.export_hf and stop.signame:
+        say(f"{stop.signame}: export skipped; python experiments/export.py --checkpoint "
+            f"{cfg.out_dir} writes it")
+      elif cfg.export_hf:
         logger.event(f"exported the policy to {self.export_hf()}")
     return logger.close()
 

@@ -301,3 +301,22 @@ def test_resume_from_a_damaged_run_says_so_in_a_few_lines(tmp_path, capfd):
   err = capfd.readouterr().err
   assert "error: checkpoint step 2 is damaged" in err and "no intact older step" in err
   assert len(err.splitlines()) <= 4, err
+
+
+def test_read_only_checkpointer_leaves_a_live_run_alone(tmp_path):
+  """Evaluation/export open a run that may still be training: its in-progress save is not
+  swept away, no directory is created, nothing can be saved."""
+  d = tmp_path / "ck"
+  ck = Checkpointer(d)
+  ck.save(1, {"w": jnp.arange(3.0)})
+  ck.wait()
+  busy = d / "2.orbax-checkpoint-tmp-123"  # another process is writing step 2
+  busy.mkdir()
+  ro = Checkpointer(d, read_only=True)
+  assert busy.is_dir() and ro.all_steps() == [1]
+  with pytest.raises(ValueError, match="read-only"):
+    ro.save(3, {"w": jnp.zeros(3)})
+  state, _ = ro.restore(abstract_state={"w": jnp.zeros(3)})
+  np.testing.assert_array_equal(state["w"], np.arange(3.0))
+  assert Checkpointer(tmp_path / "none", read_only=True).all_steps() == []
+  assert not (tmp_path / "none").exists()

@@ -179,3 +179,25 @@ def test_signal_saves_a_checkpoint_and_exits_130(tmp_path, capsys, monkeypatch, 
 def test_default_save_every_is_ten():
   cfg = get_train_config("tiny")
   assert cfg.save_every == 10 and get_train_config("qwen3_1p7b").save_every == 20
+
+
+def test_ctrl_c_during_the_warm_start_keeps_it(tmp_path, capsys, monkeypatch):
+  """Interrupted in the warm start: the warmed-up policy is saved as step 0 and a resume
+  goes straight to GRPO step 1 (no second warm start)."""
+  out = tmp_path / "run"
+  real = trainer_lib.Trainer.warmstart
+  calls = []
+
+  def warm_then_signal(self, logger=None):
+    calls.append(1)
+    res = real(self, logger)
+    os.kill(os.getpid(), signal.SIGINT)
+    return res
+
+  monkeypatch.setattr(trainer_lib.Trainer, "warmstart", warm_then_signal)
+  assert train_cli.main(SMALL + [f"out_dir={out}", "distill=false", "num_steps=2",
+                                 "--quiet"]) == 130
+  assert "stopped after step 0" in capsys.readouterr().err
+  assert sorted(os.listdir(out / "checkpoints")) == ["0"] and calls == [1]
+  assert train_cli.main(["--resume", f"out_dir={out}", "--quiet"]) == 0
+  assert calls == [1] and [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2]
