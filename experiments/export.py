@@ -4,9 +4,10 @@ tokenizer (with its chat template) beside them.
     python experiments/export.py --checkpoint runs/tiny                  # -> runs/tiny/hf
     python experiments/export.py --checkpoint runs/tiny --out /tmp/tiny_hf --dtype bfloat16
 
-The newest intact checkpoint of the training out_dir is read (policy weights only). transformers
-loads the result (`AutoModelForCausalLM.from_pretrained(dir)`, `AutoTokenizer.from_pretrained(dir)`),
-and so do `experiments/generate.py --model-path DIR` and `load_pretrained` / `load_tokenizer`.
+The newest intact checkpoint of the training out_dir is read (policy weights only).
+transformers loads the result (`AutoModelForCausalLM.from_pretrained(dir)`,
+`AutoTokenizer.from_pretrained(dir)`), and so do `experiments/generate.py --model-path DIR`
+and `load_pretrained` / `load_tokenizer`.
 The tiny model's byte tokenizer is written as a `tokenizer.json` transformers reads, plus
 `sparrow_tokenizer.json`, from which our own loaders rebuild the exact `ByteTokenizer`.
 Training with `export_hf=true` writes the same directory at the end of the run.

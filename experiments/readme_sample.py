@@ -1,7 +1,7 @@
 """Regenerate (or check) the README's sample of the default training run from the code itself.
 
-    python experiments/readme_sample.py --check    # run the default config, compare, exit 1 on drift
-    python experiments/readme_sample.py --write    # run it and rewrite the README block
+    python experiments/readme_sample.py --check   # run the default config; exit 1 on drift
+    python experiments/readme_sample.py --write   # run it and rewrite the README block
 
 The block sits between `<!-- readme-sample:begin -->` and `<!-- readme-sample:end -->` in
 README.md. The run is `experiments/train.py` with the given overrides (none: the `tiny`

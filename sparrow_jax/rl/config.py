@@ -124,8 +124,8 @@ class TrainConfig:
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f}={v!r}: expected a positive integer")
     for f in ("num_steps", "warmup_steps", "warmstart_steps", "save_every", "mini_batch_size",
-              "micro_batch_size", "overlong_buffer", "distill_warmup_steps", "sample_every", "val_every",
-              "val_max_prompts"):
+              "micro_batch_size", "overlong_buffer", "distill_warmup_steps", "sample_every",
+              "val_every", "val_max_prompts"):
       if getattr(self, f) < 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected >= 0")
     if self.group_size < 2:

@@ -50,10 +50,10 @@ def _truncate_jsonl(path: str, last_step: int, *, one_per_step: bool) -> list[di
       recs.append(json.loads(ln))
     except json.JSONDecodeError:  # a line cut by a crash: it belongs to a step being redone
       continue
-  keep = [r for r in recs if isinstance(r, dict) and int(r.get("step", -1)) <= last_step]
+  keep = [r for r in recs if isinstance(r, dict) and isinstance(r.get("step"), int)
+          and r["step"] <= last_step]
   if one_per_step:
-    keep = list({int(r["step"]): r for r in keep}.values())
-    keep.sort(key=lambda r: int(r["step"]))
+    keep = sorted({r["step"]: r for r in keep}.values(), key=lambda r: r["step"])
   if len(keep) != len(lines):
     with open(path + ".tmp", "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in keep)
