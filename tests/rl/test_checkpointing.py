@@ -16,7 +16,7 @@ from flax import nnx
 
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import init_model
-from sparrow_jax.rl.checkpointing import Checkpointer, state_nbytes
+from sparrow_jax.rl.checkpointing import CheckpointDamagedError, Checkpointer, state_nbytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -214,3 +214,109 @@ def test_async_save_survives_donation_of_saved_buffers(tmp_path):
   ck.wait()
   state, _ = ck.restore(abstract_state={"w": jax.ShapeDtypeStruct(w2.shape, w2.dtype)})
   np.testing.assert_array_equal(state["w"], expected)
+
+
+def _truncate(path, keep=0.5):
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:
+    f.truncate(int(size * keep))
+
+
+def _largest_data_file(step_dir):
+  files = [os.path.join(r, n) for r, _, ns in os.walk(os.path.join(step_dir, "state"))
+           for n in ns if os.path.basename(r) == "d"]
+  return max(files, key=os.path.getsize)
+
+
+def test_damaged_step_is_named_and_skipped(tmp_path):
+  d = tmp_path / "ck"
+  ck = Checkpointer(d)
+  for s in (1, 2, 3):
+    ck.save(s, {"w": jnp.arange(50_000.0) * s, "b": jnp.ones(3), "opt": jnp.zeros(4)},
+            {"step": s})
+  ck.wait()
+  data_file = _largest_data_file(d / "3")
+  _truncate(data_file)
+  _truncate(d / "2" / "metadata" / "metadata")
+  ck = Checkpointer(d)
+  with pytest.raises(CheckpointDamagedError, match=r"step 3 is damaged: .*3/state.*'w"):
+    ck.restore(3, {"w": jnp.zeros(50_000), "b": jnp.zeros(3), "opt": jnp.zeros(4)})
+  with pytest.raises(CheckpointDamagedError, match=r"step 2 is damaged: .*2/metadata/metadata"):
+    ck.metadata(2)
+  said = []
+  step, state, meta, damaged = ck.restore_latest_intact(
+      {"w": jnp.zeros(50_000), "b": jnp.zeros(3)}, partial=True, report=said.append)
+  assert step == 1 and meta == {"step": 1} and [e.step for e in damaged] == [3, 2]
+  assert set(state) == {"w", "b"}  # partial: the optimizer leaf was not read
+  np.testing.assert_array_equal(state["w"], np.arange(50_000.0))
+  assert len(said) == 3 and "trying step 2" in said[0] and "restored step 1" in said[2]
+  # A wrong target is not damage: it still raises the structure error.
+  with pytest.raises(ValueError, match="missing from checkpoint"):
+    ck.restore_latest_intact({"w": jnp.zeros(50_000), "x": jnp.zeros(1)})
+  # Set aside, the damaged steps can be written again; nothing is deleted.
+  moved = ck.set_aside(3)
+  assert os.path.isfile(os.path.join(moved, "state", os.path.relpath(
+      data_file, d / "3" / "state")))
+  assert ck.all_steps() == [1, 2]
+  ck.save(3, {"w": jnp.zeros(2)})
+  ck.wait()
+  assert ck.all_steps() == [1, 2, 3]
+
+
+def test_resume_from_a_damaged_run_says_so_in_a_few_lines(tmp_path, capfd):
+  """The CLI falls back to the newest intact step; stderr stays a few lines (orbax's
+  asynchronous tracebacks and event-loop noise are not shown)."""
+  import shutil
+
+  import experiments.train as train_cli
+  small = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",
+           "tensorboard=false", "distill=false", "save_every=1", "--quiet"]
+  base = tmp_path / "base"
+  assert train_cli.main(small + [f"out_dir={base}", "num_steps=2"]) == 0
+  capfd.readouterr()
+  for what in ("data", "metadata"):
+    run = tmp_path / what
+    shutil.copytree(base, run)
+    step2 = run / "checkpoints" / "2"
+    bad = (_largest_data_file(step2) if what == "data"
+           else str(step2 / "metadata" / "metadata"))
+    _truncate(bad)
+    assert train_cli.main(["--resume", f"out_dir={run}", "num_steps=3", "--quiet"]) == 0
+    err = capfd.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("WARNING:sparrow")]
+    assert len(lines) <= 6, err[:3000]
+    assert "checkpoint step 2 is damaged" in err and "trying step 1" in err, err
+    assert (os.path.relpath(bad, run).split("/state/")[0] if what == "data"
+            else "2/metadata/metadata") in err
+    assert "restored step 1" in err and "checkpoints.damaged" in err
+    assert "Traceback" not in err and "Event loop is closed" not in err
+    assert sorted(os.listdir(run / "checkpoints")) == ["1", "2", "3"]  # 2 redone
+    assert sorted(os.listdir(str(run / "checkpoints") + ".damaged")) == ["2"]
+  # Nothing intact at all: a clear error, exit 2.
+  only = tmp_path / "only"
+  shutil.copytree(base, only)
+  shutil.rmtree(only / "checkpoints" / "1")
+  _truncate(only / "checkpoints" / "2" / "metadata" / "metadata")
+  assert train_cli.main(["--resume", f"out_dir={only}", "--quiet"]) == 2
+  err = capfd.readouterr().err
+  assert "error: checkpoint step 2 is damaged" in err and "no intact older step" in err
+  assert len(err.splitlines()) <= 4, err
+
+
+def test_read_only_checkpointer_leaves_a_live_run_alone(tmp_path):
+  """Evaluation/export open a run that may still be training: its in-progress save is not
+  swept away, no directory is created, nothing can be saved."""
+  d = tmp_path / "ck"
+  ck = Checkpointer(d)
+  ck.save(1, {"w": jnp.arange(3.0)})
+  ck.wait()
+  busy = d / "2.orbax-checkpoint-tmp-123"  # another process is writing step 2
+  busy.mkdir()
+  ro = Checkpointer(d, read_only=True)
+  assert busy.is_dir() and ro.all_steps() == [1]
+  with pytest.raises(ValueError, match="read-only"):
+    ro.save(3, {"w": jnp.zeros(3)})
+  state, _ = ro.restore(abstract_state={"w": jnp.zeros(3)})
+  np.testing.assert_array_equal(state["w"], np.arange(3.0))
+  assert Checkpointer(tmp_path / "none", read_only=True).all_steps() == []
+  assert not (tmp_path / "none").exists()

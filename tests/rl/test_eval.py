@@ -49,3 +49,43 @@ def test_eval_cli(tmp_path, capsys):
   out = json.loads(capsys.readouterr().out)
   assert out["eval/prompts"] == 16 and "eval/alpha_p5" in out
   assert eval_cli.main(["--config", "tiny", "--k", "0"]) == 2
+
+
+def test_eval_checkpoint_reads_weights_not_the_data_position(tmp_path, capsys):
+  """A run trained with 16 prompts per step on 32 examples is scored on a 5-prompt file and on
+  the shipped held-out set: only the weights are restored (issue: the data position was)."""
+  import experiments.train as train_cli
+  run = tmp_path / "run"
+  assert train_cli.main(["warmstart_steps=5", "group_size=2", "num_steps=1", "num_slots=32",
+                         "tensorboard=false", f"out_dir={run}", "--quiet"]) == 0
+  capsys.readouterr()
+  small = tmp_path / "five.jsonl"
+  small.write_text("".join(json.dumps({"question": f"{a}+1=", "answer": str(a + 1)}) + "\n"
+                           for a in range(5)))
+  assert eval_cli.main(["--checkpoint", str(run), "--data", str(small), "--k", "2"]) == 0
+  out = capsys.readouterr()
+  assert "eval/prompts                 5.0000" in out.out
+  assert "avg@k   mean reward of the k samples" in out.out  # the legend
+  assert f"evaluating {run} at step 1" in out.err
+  import experiments.data.make_arith_eval as gen
+  rc = eval_cli.main(["--checkpoint", str(run), "--data", gen.PATH,
+                      "--k", "1", "--mode", "sparse_lora", "--json", "--max-prompts", "6"])
+  assert rc == 0
+  res = json.loads(capsys.readouterr().out)
+  assert res["eval/prompts"] == 6 and 0.0 <= res["eval/alpha_p5"] <= 1.0
+  assert eval_cli.main(["--checkpoint", str(tmp_path / "nope"), "--data", str(small)]) == 2
+  assert "holds no training run" in capsys.readouterr().err
+  assert eval_cli.main(["--checkpoint", str(run), "--data", str(tmp_path / "x.jsonl")]) == 2
+  assert "x.jsonl" in capsys.readouterr().err
+
+
+def test_held_out_set_is_disjoint_from_the_tiny_training_draw():
+  import experiments.data.make_arith_eval as gen
+  from sparrow_jax.rl.trainer import build_examples
+  with open(gen.PATH) as f:
+    text = f.read()
+  assert text == "".join(gen.held_out_lines())  # the shipped file is what the generator writes
+  held = [json.loads(x) for x in text.splitlines()]
+  train = {e.prompt for e in build_examples(get_train_config("tiny"))}
+  assert len(held) == 71 and not train & {r["prompt"] for r in held}
+  assert all(sum(map(int, r["prompt"][:-1].split("+"))) == int(r["answer"]) for r in held)

@@ -208,3 +208,32 @@ def test_replacing_a_hung_worker_does_not_hold_up_the_batch():
     assert sum(not w.ready for w in s._workers) == 1  # the replacement is still starting
     again = s(["d", "e", "f"], ["d", "e", "f"])  # served by the live worker, then both
     np.testing.assert_array_equal(again.rewards, [1, 1, 1])
+
+
+def test_custom_reward_from_a_module_or_a_file(tmp_path, monkeypatch):
+  from sparrow_jax.rl.rewards import get_reward
+  f = tmp_path / "my_rewards.py"
+  f.write_text("def starts_right(completion, answer):\n"
+               "    return float(completion.strip().startswith(answer))\n"
+               "LIMIT = 3\n"
+               "def needs_three(a, b, c):\n    return 0.0\n")
+  fn = get_reward(f"{f}:starts_right")
+  assert fn("42 is it", "42") == 1.0 and fn("4", "42") == 0.0
+  monkeypatch.syspath_prepend(str(tmp_path))
+  assert get_reward("my_rewards:starts_right")("7", "7") == 1.0
+  assert get_reward("sparrow_jax.rl.rewards:exact_match") is R.exact_match
+  monkeypatch.chdir(tmp_path)
+  assert get_reward("./my_rewards.py:starts_right")("1", "1") == 1.0
+  for spec, msg in [(f"{tmp_path}/missing.py:f", "does not exist"),
+                    ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+                    (f"{f}:nope", "has no 'nope'; functions there: \\['needs_three', "
+                                  "'starts_right'\\]"),
+                    (f"{f}:LIMIT", "'LIMIT' has type int, not a function"),
+                    (f"{f}:needs_three", "cannot be called as fn\\(completion, answer\\)"),
+                    ("exact_matsh", "not registered")]:
+    with pytest.raises(ValueError, match=msg):
+      get_reward(spec)
+  bad = tmp_path / "broken.py"
+  bad.write_text("def f(:\n")
+  with pytest.raises(ValueError, match="importing .*broken.py failed: SyntaxError"):
+    get_reward(f"{bad}:f")

@@ -101,19 +101,62 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys):
     Trainer(_cfg(tmp_path / "empty"), quiet=True).resume()
 
 
-def test_exported_policy_loads_in_transformers(tmp_path):
+def test_exported_policy_loads_in_transformers_and_generate(tmp_path, capsys):
   import torch
   import transformers
-  tr = Trainer(_cfg(tmp_path, "num_steps=1", "distill=false"), quiet=True)
-  tr.fit()
-  path = tr.export_hf()
+  from flax import nnx
+
+  import experiments.generate as gen_cli
+  from sparrow_jax.models import load_pretrained, load_tokenizer
+  from sparrow_jax.rl.tokenizers import ByteTokenizer
+
+  tr = Trainer(_cfg(tmp_path, "num_steps=1", "distill=false", "export_hf=true"), quiet=True)
+  tr.fit()  # export_hf=true: the policy and its tokenizer land in out_dir/hf
+  path = str(tmp_path / "hf")
+  assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+          "sparrow_tokenizer.json"} <= set(os.listdir(path))
   hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
   tokens = np.random.default_rng(0).integers(0, 259, (2, 17))
   with torch.no_grad():
     ref = hf(torch.tensor(tokens)).logits.numpy()
-  from flax import nnx
   ours = nnx.merge(tr.graphdef, tr.params)(jax.numpy.asarray(tokens, jax.numpy.int32))
   np.testing.assert_allclose(np.asarray(ours), ref, atol=1e-4)
+  # The byte tokenizer: transformers reads tokenizer.json and encodes/decodes exactly as the
+  # model was trained; our loader rebuilds the ByteTokenizer itself.
+  hf_tok = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+  byte = ByteTokenizer()
+  for text in ["3+4=", "Compute 12+7.  Put it in \\boxed{}.", "héllo ☃ 😀", "<s>x</s>", ""]:
+    assert hf_tok(text)["input_ids"] == byte.encode(text), text
+    ids = byte.encode(text, add_bos=False) + [byte.eos_token_id]
+    assert hf_tok.decode(ids, skip_special_tokens=True) == byte.decode(ids) == text
+  assert isinstance(load_tokenizer(path), ByteTokenizer)
+  # generate.py runs on the export.
+  assert gen_cli.main(["--model-path", path, "--prompt", "3+4=", "--max-new-tokens", "3"]) == 0
+  assert "--- prompt 0 (5 tokens)" in capsys.readouterr().out
+  # export_dtype: a bfloat16 copy, written as such and loaded back (weights rounded).
+  bf = tr.export_hf(str(tmp_path / "hf_bf16"), dtype="bfloat16")
+  cfg = json.loads(open(os.path.join(bf, "config.json")).read())
+  assert cfg["torch_dtype"] == "bfloat16"
+  assert transformers.AutoModelForCausalLM.from_pretrained(bf).dtype == torch.bfloat16
+  back = load_pretrained(bf, dtype="float32", param_dtype="bfloat16")
+  np.testing.assert_array_equal(
+      np.asarray(back.embed_VD.get_value(), np.float32),
+      np.asarray(jax.numpy.asarray(tr.params["embed_VD"].get_value(), jax.numpy.bfloat16),
+                 np.float32))
+
+
+def test_restore_weights_reads_policy_and_lora_only(tmp_path):
+  tr = Trainer(_cfg(tmp_path / "run", "num_steps=2", "distill=true"), quiet=True)
+  tr.fit()
+  # Another data set and batch size: only the weights are read, not the data position.
+  other = get_train_config("tiny", [f"out_dir={tmp_path / 'run'}", "prompts_per_step=2",
+                                    "num_examples=3", "tensorboard=false", "lora_rank=4"])
+  ev = Trainer(other, quiet=True, with_dataset=False)
+  assert ev.dataset is None and ev.examples == []
+  assert ev.restore_weights() == 2
+  for x, y in zip(_leaves({"p": tr.params, "l": tr.lora}), _leaves({"p": ev.params,
+                                                                    "l": ev.lora})):
+    np.testing.assert_array_equal(x, y)
 
 
 def test_dry_run_prints_the_memory_table(capsys):

@@ -2,7 +2,8 @@
 
 `load_pretrained` dispatches on the path: a directory is read as a transformers checkpoint
 (`hf_safetensors.load_hf_dir`), a `.gguf` file with `gguf.load_gguf`. `save_pretrained` writes
-the HF format. Key names and layouts live in one table, `keymap.TABLE`.
+the HF format (optionally cast to another dtype, with the tokenizer and its chat template
+beside the weights). Key names and layouts live in one table, `keymap.TABLE`.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 
 from sparrow_jax.models.checkpoints.gguf import load_gguf
 from sparrow_jax.models.checkpoints.hf_safetensors import load_hf_dir, save_hf_dir
-from sparrow_jax.models.checkpoints.tokenizer import load_tokenizer
+from sparrow_jax.models.checkpoints.tokenizer import load_tokenizer, save_tokenizer
 from sparrow_jax.models.decoder import Decoder
 
 
@@ -32,11 +33,42 @@ def load_pretrained(path, dtype: str = "float32", param_dtype: str | None = None
                    "safetensors) or a .gguf file")
 
 
+_EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def cast_params(model: Decoder, dtype: str) -> Decoder:
+  """A copy of `model` whose floating-point weights are stored as `dtype` (config follows)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  if dtype not in _EXPORT_DTYPES:
+    raise ValueError(f"dtype={dtype!r}: expected one of {_EXPORT_DTYPES}")
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                       else x, state)
+  out = nnx.merge(graphdef, state)
+  out.cfg = model.cfg.replace(param_dtype=dtype)
+  return out
+
+
 def save_pretrained(model: Decoder, path, *, max_shard_bytes: int | None = None,
-                    overwrite: bool = False) -> list[str]:
-  """Write `model` as an HF checkpoint directory; see `hf_safetensors.save_hf_dir`."""
-  return save_hf_dir(model, path, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+                    overwrite: bool = False, tokenizer=None,
+                    dtype: str | None = None) -> list[str]:
+  """Write `model` as an HF checkpoint directory; see `hf_safetensors.save_hf_dir`.
+
+  `dtype` casts the stored weights (default: the model's `param_dtype`); `tokenizer` (a
+  transformers tokenizer or the tiny model's `ByteTokenizer`) is written beside them, chat
+  template included, so `load_tokenizer(path)` and transformers read the directory alone.
+  """
+  if dtype is not None and dtype != model.cfg.param_dtype:
+    model = cast_params(model, dtype)
+  written = save_hf_dir(model, path, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+  if tokenizer is not None:
+    written += save_tokenizer(tokenizer, path,
+                              model_max_length=model.cfg.max_position_embeddings)
+  return written
 
 
 __all__ = ["load_pretrained", "save_pretrained", "load_hf_dir", "save_hf_dir", "load_gguf",
-           "load_tokenizer"]
+           "load_tokenizer", "save_tokenizer", "cast_params"]
