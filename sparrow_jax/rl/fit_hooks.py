@@ -93,7 +93,7 @@ def sample_rows(trainer) -> list[dict[str, Any]]:
                                                    comps[j].request_id[0]))
   rows = []
   for j in order[:cfg.samples_per_log]:
-    e = examples[comps[j].request_id[0]]
+    e = examples[j]  # the prompt example of completion j
     rows.append({"prompt": prompt_text(e), "answer": e.answer,
                  "response": trainer.tokenizer.decode(comps[j].token_ids,
                                                       skip_special_tokens=True),

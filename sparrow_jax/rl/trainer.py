@@ -351,7 +351,7 @@ class Trainer:
                    "nucleus mass (see README, Configuration)", cfg.top_p)
     self.warmstart_done = False
     self.resumed_step: int | None = None
-    self.last_rollout = None  # (examples, completions, rewards) of the latest step
+    self.last_rollout = None  # (example of each completion, completions, rewards), last step
     self.step = 0
     self.bad_steps = 0
     self.compilations = 0
@@ -633,7 +633,7 @@ class Trainer:
     cfg = self.cfg
     g, n_prompts = cfg.group_size, cfg.prompts_per_step
     pool = grpo.GroupPool(g, keep_dropped=True)
-    comps, rewards, results, pruned_comps = [], [], [], []
+    comps, rewards, results, pruned_comps, comp_examples = [], [], [], [], []
     engine_stats = {k: 0 for k in _ENGINE_METRICS}
     t_roll = t_score = 0.0
     while True:
@@ -644,6 +644,7 @@ class Trainer:
         pruned_comps += [c for c in new if c.pruned]
         new = [c for c in new if not c.pruned]
       t1 = time.perf_counter()
+      comp_examples += [examples[c.request_id[0]] for c in new]
       for k in _ENGINE_METRICS:  # summed over refill rounds (the high-water mark: max)
         v = self.engine.last_stats[k]
         engine_stats[k] = max(engine_stats[k], v) if k.endswith("_frac") else engine_stats[k] + v
@@ -663,7 +664,7 @@ class Trainer:
              else pool.take(n_prompts)[0]["index"])
     info = {"completions": comps, "rewards": rewards, "rounds": len(results),
             "rollout_s": t_roll, "reward_s": t_score, "engine": engine_stats,
-            "pruned": pruned_comps,
+            "pruned": pruned_comps, "examples": [comp_examples[i] for i in index],
             "num_errors": sum(x.num_errors for x in results),
             "num_timeouts": sum(x.num_timeouts for x in results)}
     return [comps[i] for i in index], rewards[index], info
@@ -727,7 +728,7 @@ class Trainer:
       dist_metrics["time/distill_s"] = time.perf_counter() - t3
     ladder_metrics = self._maybe_switch(step, batch, response_mask)
     self.step = step
-    self.last_rollout = (examples, comps, rewards)
+    self.last_rollout = (gen["examples"], comps, rewards)  # examples aligned with comps
     self.bad_steps = 0 if all_finite else self.bad_steps + 1
     all_comps, all_rewards = gen["completions"], gen["rewards"]  # every scored sample
     resp_lens = np.array([len(c.token_ids) for c in all_comps])
