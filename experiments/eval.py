@@ -1,6 +1,7 @@
 """Evaluate a policy on a prompt set: avg@k, pass@k and maj@k, with dense, sparse or
 sparse+LoRA (DistillSparse) rollouts; sparse modes also report the tail (p5) of the exact
-acceptance rate alpha of their rollouts against the dense policy.
+acceptance rate alpha of their rollouts against the dense policy. Weighted voting side by side
+with maj@k: DeepConf trace confidence, and the ARRoL quality head for runs that trained one.
 
     python experiments/eval.py --checkpoint runs/tiny --data experiments/data/arith_eval.jsonl
     python experiments/eval.py --checkpoint runs/tiny --data experiments/data/arith_eval.jsonl \
@@ -34,7 +35,11 @@ LEGEND = """\
           samples), averaged over prompts
   maj@k   the majority answer of k samples is correct, averaged over prompts
   alpha_p5  5th percentile of the per-token acceptance rate between the sparse actor and the
-          dense policy on these rollouts (sparse modes; the run keeps it above tau)"""
+          dense policy on these rollouts (sparse modes; the run keeps it above tau)
+  deepconf_maj@k  votes weighted by DeepConf trace confidence (mean of the lowest 10% of
+          windowed token confidences, from the top-k log-probs of each sample)
+  head_maj@k  votes weighted by the ARRoL quality head's rank weights (runs with arrol=true:
+          the head scores each sample at its detection point)"""
 
 
 def main(argv=None) -> int:

@@ -12,7 +12,7 @@ import numpy as np
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
-from sparrow_jax.rl.eval_metrics import eval_summary
+from sparrow_jax.rl.eval_metrics import eval_summary, trace_confidence, weighted_maj_at_k
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams
 from sparrow_jax.rl.switching import probe_tail_alpha
@@ -28,8 +28,34 @@ def extract_answer(text: str) -> str | None:
   return rewards_lib.normalize_answer(ans) or None
 
 
+class _ScoreOnly:
+  """A prune hook that prunes nothing: the engine records each sample's quality-head logit at
+  its detection point (ARRoL's test-time use of the head)."""
+
+  def __init__(self, pruner, stop_ids):
+    self.detect_len = pruner.config.detect_len
+    self.stop_ids = frozenset(stop_ids)
+    self.head_params = pruner.params
+
+  def decide(self, group, candidates):
+    return [True] * len(candidates)
+
+
+def _rank_last_unscored(logits) -> list[float]:
+  """Head logits of one prompt's samples; a sample the head never scored (it ended at its
+  first token, before any decode step) ranks below every scored one."""
+  present = [x for x in logits if x is not None]
+  low = min(present) - 1.0 if present else 0.0
+  return [low if x is None else float(x) for x in logits]
+
+
 def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mode: str = "dense",
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 1234) -> dict[str, Any]:
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 1234,
+             deepconf_window: int = 2048, deepconf_lowest: float = 0.1) -> dict[str, Any]:
+  """k samples per prompt -> avg@k, pass@k, maj@k; weighted votes side by side: by the ARRoL
+  quality head's rank weights (when the run trained one) and by DeepConf trace confidence
+  (mean of the lowest `deepconf_lowest` windowed confidences, `deepconf_window` tokens,
+  from the top-k log-probs the engine keeps)."""
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: expected one of {MODES}")
   if mode != "dense" and trainer.schedule.is_dense:
@@ -49,8 +75,11 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
       reqs.append(Request(ids, SamplingParams(temperature=temperature, top_p=top_p,
                                               max_new_tokens=cfg.max_new_tokens,
                                               seed=seed + i * k + j), (i, j)))
+  hook = None
+  if getattr(trainer, "arrol", None) is not None:
+    hook = _ScoreOnly(trainer.arrol, trainer.arrol_stop_ids)
   try:
-    comps = engine.generate(reqs, lora=lora)
+    comps = engine.generate(reqs, lora=lora, prune=hook)
   finally:
     engine.set_attention(*saved)
   texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
@@ -60,6 +89,17 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   rewards = np.asarray(res.rewards, np.float32).reshape(len(examples), k)
   answers = [[extract_answer(texts[i * k + j]) for j in range(k)] for i in range(len(examples))]
   out = eval_summary(rewards.tolist(), answers, ks=sorted({1, k}))
+  by_prompt = lambda vals: [vals[i * k:(i + 1) * k] for i in range(len(examples))]
+  if comps and comps[0].topk_logprobs is not None and comps[0].topk_logprobs.shape[1]:
+    conf = [trace_confidence(c.topk_logprobs, window=deepconf_window,
+                             lowest_frac=deepconf_lowest) if len(c.token_ids) else 0.0
+            for c in comps]
+    out[f"eval/deepconf_maj@{k}"] = weighted_maj_at_k(answers, rewards.tolist(),
+                                                      by_prompt(conf), k)
+  if hook is not None:
+    out[f"eval/head_maj@{k}"] = weighted_maj_at_k(
+        answers, rewards.tolist(), [_rank_last_unscored(row) for row in by_prompt(
+            [c.quality_logit for c in comps])], k, rank=True)
   out["eval/mode"] = mode
   out["eval/samples"] = len(comps)
   out["eval/response_len_mean"] = float(np.mean([len(c.token_ids) for c in comps]))

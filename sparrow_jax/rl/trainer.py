@@ -944,6 +944,8 @@ class Trainer:
     abstract = {"params": self.params}
     if lora and self.lora is not None:
       abstract["lora"] = self.lora
+    if self.arrol is not None:  # the quality head (test-time voting weights)
+      abstract["arrol"] = {"params": self.arrol.params}
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=x.sharding), abstract)
     step, state, meta, _ = self.checkpointer.restore_latest_intact(
@@ -951,6 +953,8 @@ class Trainer:
     self.params = state["params"]
     if "lora" in state:
       self.lora = state["lora"]
+    if "arrol" in state:
+      self.arrol.params = {k: jnp.asarray(v) for k, v in state["arrol"]["params"].items()}
     self._load_ladder_state(meta.get("ladder"))  # the sparse actor's schedule at that step
     self.step = step
     self.engine.set_state(self.params)

@@ -83,3 +83,39 @@ def test_arrol_resume_continues_exactly(tmp_path, mode):
   sa, sb = full.arrol.state_dict(), resumed.arrol.state_dict()
   for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_eval_votes_with_the_head_and_deepconf_side_by_side(tmp_path, monkeypatch):
+  from sparrow_jax.rl import eval_metrics as em
+  from sparrow_jax.rl.evaluate import evaluate, extract_answer
+  tr = Trainer(_cfg(tmp_path, "num_steps=1", "warmstart_steps=20"), quiet=True)
+  tr.fit()
+  captured = {}
+  real = tr.engine.generate
+
+  def spy(reqs, **kw):
+    captured["prune"] = kw.get("prune")
+    captured["comps"] = real(reqs, **kw)
+    return captured["comps"]
+
+  monkeypatch.setattr(tr.engine, "generate", spy)
+  examples = tr.examples[:6]
+  out = evaluate(tr, examples, k=4, deepconf_window=2)
+  comps = captured["comps"]
+  assert not any(c.pruned for c in comps)  # the head scores, it never prunes at test time
+  assert all(c.quality_logit is not None for c in comps if len(c.token_ids) > 1)
+  texts = [tr.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+  answers = [[extract_answer(texts[i * 4 + j]) for j in range(4)] for i in range(6)]
+  rewards = [[float(tr.reward_fn(texts[i * 4 + j], examples[i].answer)) for j in range(4)]
+             for i in range(6)]
+  def head_scores(row):  # an unscored sample (one token, never decoded) ranks lowest
+    got = [c.quality_logit for c in row if c.quality_logit is not None]
+    return [c.quality_logit if c.quality_logit is not None else min(got, default=1.0) - 1.0
+            for c in row]
+
+  scores = [head_scores(comps[i * 4:(i + 1) * 4]) for i in range(6)]
+  conf = [[em.trace_confidence(c.topk_logprobs, window=2) for c in comps[i * 4:(i + 1) * 4]]
+          for i in range(6)]
+  assert out["eval/head_maj@4"] == em.weighted_maj_at_k(answers, rewards, scores, 4, rank=True)
+  assert out["eval/deepconf_maj@4"] == em.weighted_maj_at_k(answers, rewards, conf, 4)
+  assert out["eval/maj@4"] == em.maj_at_k(answers, rewards, 4)
