@@ -743,6 +743,9 @@ class Trainer:
     out = {
         "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std()),
         "reward/frac_zero_var_groups": frac_zero_var,
+        # ARRoL's Table 4 statistics for every run: rho_hat = positive fraction of a group.
+        **dict(zip(("reward/rho_hat_mean", "reward/rho_hat_var"), arrol_lib.rho_hat_stats(
+            rewards, [c.request_id[0] for c in comps]))),
         "reward/verifier_errors": gen["num_errors"],
         "reward/verifier_timeouts": gen["num_timeouts"],
         "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),

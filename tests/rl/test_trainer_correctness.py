@@ -146,7 +146,8 @@ def ds_step(tmp_path_factory):
   mp.setattr(trainer_lib, "probe_tail_alpha", probe)
   batches = []
   real_make = tr.make_batch
-  mp.setattr(tr, "make_batch", lambda comps: batches.append(real_make(comps)) or batches[-1])
+  mp.setattr(tr, "make_batch",
+             lambda comps, **kw: batches.append(real_make(comps, **kw)) or batches[-1])
   with tr:
     out = tr.train_step()
   yield tr, out, probes, batches[0]
