@@ -29,54 +29,106 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 VARIANTS = {"none": ["arrol=false"], "head": ["arrol=true", "arrol_mode=head"],
-            "random": ["arrol=true", "arrol_mode=random"]}
+            "random": ["arrol=true", "arrol_mode=random"],
+            "head_signed": ["arrol=true", "arrol_mode=head", "arrol_steer=signed"]}
+EVAL_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "arith_eval.jsonl")
 BASE = ["arrol_detect_len=1", "arrol_warmup_steps=10", "tensorboard=false", "save_every=0",
         "sample_every=0"]
 
 
-def run_variant(name: str, keys: list[str], out_dir: str) -> list[dict]:
+def run_variant(name: str, seed: int, keys: list[str], out_dir: str, k: int):
+  """Train one variant, then evaluate the final policy on the held-out sums (dense rollouts,
+  k samples per prompt). Returns (per-step records, held-out metrics)."""
   from sparrow_jax.rl.config import get_train_config
+  from sparrow_jax.rl.evaluate import evaluate
   from sparrow_jax.rl.metrics import read_jsonl
-  from sparrow_jax.rl.trainer import Trainer
+  from sparrow_jax.rl.trainer import Trainer, build_examples, fit_prompts
 
-  cfg = get_train_config("tiny", BASE + VARIANTS[name] + keys + [f"out_dir={out_dir}/{name}"])
+  run_dir = f"{out_dir}/{name}_s{seed}"
+  cfg = get_train_config("tiny", BASE + VARIANTS[name] + keys + [f"seed={seed}",
+                                                                 f"out_dir={run_dir}"])
   t0 = time.perf_counter()
   tr = Trainer(cfg, quiet=True)
   tr.fit()
-  recs = read_jsonl(os.path.join(out_dir, name, "metrics.jsonl"))
-  print(f"{name}: {len(recs)} steps in {time.perf_counter() - t0:.0f} s", flush=True)
-  return [recs[s] for s in sorted(recs)]
+  recs = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+  held = fit_prompts(tr.tokenizer, build_examples(cfg.replace(data=EVAL_DATA)), cfg, "eval")
+  ev = evaluate(tr, held, k=k, mode="dense", seed=1000 + seed)
+  print(f"{name} seed {seed}: {len(recs)} steps in {time.perf_counter() - t0:.0f} s, held-out "
+        f"avg@{k} {ev[f'eval/avg@{k}']:.3f}", flush=True)
+  return [recs[s] for s in sorted(recs)], ev
+
+
+def _vals(recs, key):
+  return [r[key] for r in recs if key in r and r[key] == r[key]]  # skip NaN
 
 
 def _mean(recs, key):
-  vals = [r[key] for r in recs if key in r and r[key] == r[key]]  # skip NaN
+  vals = _vals(recs, key)
   return statistics.fmean(vals) if vals else float("nan")
 
 
-def summarize(runs: dict[str, list[dict]], warmup: int) -> dict[str, dict]:
+def _median(recs, key):
+  vals = _vals(recs, key)
+  return statistics.median(vals) if vals else float("nan")
+
+
+def summarize(runs: dict, evals: dict, warmup: int, k: int) -> dict[str, dict]:
+  """Per variant, averaged over seeds: means over the steps after warm-up (timings: medians,
+  so that the steps that compile a new batch shape do not dominate)."""
   out = {}
-  for name, recs in runs.items():
-    after = [r for r in recs if r["step"] > warmup] if recs and "step" in recs[0] else \
-        recs[warmup:]
-    row = {"steps_after_warmup": len(after),
-           "reward_mean": _mean(after, "reward/mean"),
-           "reward_last10": _mean(recs[-10:], "reward/mean"),
-           "tokens_per_step": _mean(after, "rollout/tokens"),
-           "rollout_s": _mean(after, "time/rollout_s"),
-           "recompute_s": _mean(after, "time/recompute_s"),
-           "update_s": _mean(after, "time/update_s"),
-           "distill_s": _mean(after, "time/distill_s"),
-           "step_s": _mean(after, "time/step_s")}
-    row["kept_frac"] = _mean(after, "arrol/kept_frac") if name != "none" else 1.0
-    for key in ("reward/rho_hat_mean", "reward/rho_hat_var", "arrol/head_acc",
-                "arrol/head_auc"):
-      row[key.split("/")[1]] = _mean(after, key)
+  for name, per_seed in runs.items():
+    rows = []
+    for seed, recs in per_seed.items():
+      after = recs[warmup:]
+      row = {"reward_mean": _mean(after, "reward/mean"),
+             "heldout_avg": evals[name][seed][f"eval/avg@{k}"],
+             "heldout_pass": evals[name][seed][f"eval/pass@{k}"],
+             "tokens_per_step": _mean(after, "rollout/tokens"),
+             "kept_frac": _mean(after, "arrol/kept_frac") if name != "none" else 1.0}
+      for key in ("time/rollout_s", "time/recompute_s", "time/update_s", "time/distill_s",
+                  "time/step_s"):
+        row[key.split("/")[1]] = _median(after, key)
+      for key in ("reward/rho_hat_mean", "reward/rho_hat_var", "arrol/head_acc",
+                  "arrol/head_auc"):
+        row[key.split("/")[1]] = _mean(after, key)
+      rows.append(row)
+    out[name] = {key: statistics.fmean(r[key] for r in rows) for key in rows[0]}
+    out[name]["per_seed_heldout_avg"] = [r["heldout_avg"] for r in rows]
+  return out
+
+
+def simulate_rules(groups: int = 4000, size: int = 8, seed: int = 0) -> dict:
+  """The survival rules on synthetic groups with accurate q (q_i ~ Beta, y_i ~ Bernoulli(q_i)),
+  kappa = rho = 0.5, lambda = 0.5, p in [0.25, 0.75]: (E[rho_hat], E[rho_hat (1 - rho_hat)]) of
+  the kept rollouts for random pruning, the paper's rule and the signed rule."""
+  import numpy as np
+
+  from sparrow_jax.rl.arrol import survival_probabilities
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, (a, b) in {"easy Beta(2.5,0.8)": (2.5, 0.8), "hard Beta(0.8,2.5)": (0.8, 2.5),
+                       "balanced Beta(0.3,0.3)": (0.3, 0.3)}.items():
+    row = {}
+    for rule in ("random", "paper", "signed"):
+      rho = []
+      for _ in range(groups):
+        q = rng.beta(a, b, size)
+        y = rng.random(size) < q
+        p = (np.full(size, 0.5) if rule == "random" else survival_probabilities(
+            q, keep_rate=0.5, target=0.5, lam=0.5, p_min=0.25, p_max=0.75, steer=rule)[0])
+        keep = rng.random(size) < p
+        if keep.any():
+          rho.append(y[keep].mean())
+      rho = np.asarray(rho)
+      row[rule] = (float(rho.mean()), float((rho * (1 - rho)).mean()))
     out[name] = row
   return out
 
 
 def markdown(summary: dict, meta: dict) -> str:
-  cols = [("reward_mean", "reward (after warm-up)"), ("reward_last10", "reward (last 10)"),
+  cols = [("heldout_avg", f"held-out avg@{meta['k']}"),
+          ("heldout_pass", f"held-out pass@{meta['k']}"),
+          ("reward_mean", "train reward (kept)"),
           ("kept_frac", "kept"), ("rho_hat_mean", "E[rho_hat]"),
           ("rho_hat_var", "E[rho_hat(1-rho_hat)]"), ("head_acc", "head acc"),
           ("head_auc", "head AUC"), ("tokens_per_step", "tokens/step"),
@@ -88,24 +140,30 @@ def markdown(summary: dict, meta: dict) -> str:
     cells = []
     for key, _ in cols:
       v = row.get(key, float("nan"))
+      if key == "kept_frac" and name == "none":
+        v = 1.0
       cells.append("–" if v != v else (f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"))
     lines.append(f"| {name} | {' | '.join(cells)} |")
-  return (f"Runs: {meta['steps']} steps of the tiny preset ({meta['date']}, jax "
-          f"{meta['jax']}, {meta['cpus']} CPUs), arrol_detect_len=1, warm-up "
-          f"{meta['warmup']} steps; means over the steps after warm-up.\n\n" + "\n".join(lines))
+  return (f"Runs: {meta['steps']} steps of the tiny preset, seeds {meta['seeds']} "
+          f"({meta['date']}, jax {meta['jax']}, {meta['cpus']} CPUs), arrol_detect_len=1, "
+          f"warm-up {meta['warmup']} steps; means over the steps after warm-up and over seeds "
+          f"(timings: per-step medians, in seconds); held-out: the final policy on "
+          f"experiments/data/arith_eval.jsonl, dense rollouts, {meta['k']} samples per "
+          f"prompt.\n\n" + "\n".join(lines))
 
 
-def plot(runs: dict[str, list[dict]], path: str) -> None:
+def plot(runs: dict, path: str) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-  for name, recs in runs.items():
+  for name, per_seed in runs.items():
+    recs = next(iter(per_seed.values()))  # the first seed
     steps = list(range(1, len(recs) + 1))
     axes[0].plot(steps, [r["reward/mean"] for r in recs], label=name)
-    axes[1].plot(steps, [r["rollout/tokens"] for r in recs], label=name)
+    axes[1].plot(steps, [r.get("reward/rho_hat_var", float("nan")) for r in recs], label=name)
   axes[0].set(xlabel="step", ylabel="mean reward (scored rollouts)")
-  axes[1].set(xlabel="step", ylabel="tokens generated")
+  axes[1].set(xlabel="step", ylabel="E[rho_hat (1 - rho_hat)]")
   axes[0].legend()
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -115,8 +173,11 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--out", required=True, help="output prefix (OUT.json, OUT.md, OUT.png)")
-  ap.add_argument("--variants", default="none,head,random")
+  ap.add_argument("--variants", default="none,head,random,head_signed")
+  ap.add_argument("--seeds", default="0,1")
+  ap.add_argument("--k", type=int, default=4, help="held-out samples per prompt")
   ap.add_argument("--keys", nargs="*", default=[], help="extra key=value config overrides")
+  ap.add_argument("--work", default="runs/arrol_study", help="run folders (checkpoints)")
   args = ap.parse_args(argv)
   import jax
 
@@ -128,14 +189,31 @@ def main(argv=None) -> int:
     return 2
   cfg = get_train_config("tiny", BASE + args.keys)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  work = args.out + "_runs"
-  runs = {n: run_variant(n, args.keys, work) for n in names}
-  summary = summarize(runs, cfg.arrol_warmup_steps)
+  work = args.work
+  seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+  runs, evals = {n: {} for n in names}, {n: {} for n in names}
+  for seed in seeds:
+    for n in names:
+      runs[n][seed], evals[n][seed] = run_variant(n, seed, args.keys, work, args.k)
+  summary = summarize(runs, evals, cfg.arrol_warmup_steps, args.k)
   meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__, "cpus": os.cpu_count(),
-          "steps": cfg.num_steps, "warmup": cfg.arrol_warmup_steps, "keys": args.keys}
+          "steps": cfg.num_steps, "warmup": cfg.arrol_warmup_steps, "keys": args.keys,
+          "seeds": seeds, "k": args.k}
   with open(args.out + ".json", "w") as f:
-    json.dump({"meta": meta, "summary": summary, "runs": runs}, f, indent=1, default=float)
-  md = markdown(summary, meta)
+    keep = ("reward/mean", "reward/rho_hat_mean", "reward/rho_hat_var", "rollout/tokens",
+            "arrol/kept_frac", "arrol/head_acc", "arrol/head_auc", "arrol/delta",
+            "time/rollout_s", "time/recompute_s", "time/update_s", "time/step_s")
+    curves = {n: {sd: [{k: r[k] for k in keep if k in r} for r in recs]
+                  for sd, recs in per.items()} for n, per in runs.items()}
+    json.dump({"meta": meta, "summary": summary, "evals": evals, "curves": curves,
+               "simulated_rules": simulate_rules()}, f, indent=1, default=float)
+  sim = simulate_rules()
+  md = markdown(summary, meta) + "\n\nSurvival rules on synthetic groups (accurate q, 8 per " \
+      "group, 4,000 groups), (E[rho_hat], E[rho_hat(1-rho_hat)]):\n\n| groups | random | " \
+      "paper | signed |\n|---|---|---|---|\n" + "\n".join(
+          f"| {g} | " + " | ".join(f"{r[k][0]:.3f}, {r[k][1]:.3f}" for k in
+                                   ("random", "paper", "signed")) + " |"
+          for g, r in sim.items())
   with open(args.out + ".md", "w") as f:
     f.write(md + "\n")
   plot(runs, args.out + ".png")
