@@ -535,6 +535,8 @@ class GenerationEngine:
       admitted = sched.admit()
       if admitted:
         self._prefill(sched, admitted, table, lora, done, counts)
+        if tracker is not None:  # a group's last member may have ended in its prefill
+          self._prune(sched, tracker, prune, done, counts)
       running = sched.grow()
       if not running:
         if sched.queue and not admitted:
