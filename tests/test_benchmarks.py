@@ -1,0 +1,38 @@
+"""The benchmark scripts refuse configurations that cannot measure what they report."""
+
+import importlib.util
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks",
+                                                                   f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_rollout_benchmark_refuses_a_model_with_no_sparse_layer(capsys):
+  # The tiny preset has 2 layers and the schedule keeps layers 0-1 dense: nothing is sparse,
+  # so a "speedup" would be noise (issue 12, item 10).
+  assert _load("rollout").main(["--config", "tiny", "--contexts", "64"]) == 2
+  assert "nothing sparse to measure" in capsys.readouterr().err
+
+
+def test_rollout_bytes_bound_counts_what_each_layer_reads():
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.schedule import constant
+  bench = _load("rollout")
+  mc = get_config("smollm2_135m")
+  sched = constant(16)
+  kv_tok = 2 * mc.num_kv_heads * mc.head_dim * 4
+  dense = bench.bytes_per_step(mc, sched, batch=2, context=8192, dense=True)
+  sparse = bench.bytes_per_step(mc, sched, batch=2, context=8192, dense=False)
+  # Dense reads every token of every layer; sparse layers read 19 pages + 512 landmarks.
+  assert dense - sparse == 28 * 2 * (8192 * kv_tok - 19 * 16 * kv_tok
+                                     - 512 * mc.num_kv_heads * mc.head_dim * 4)
+  # A context within budget + reserved pages reads everything: no gain is possible there.
+  small = bench.bytes_per_step(mc, sched, batch=2, context=256, dense=False)
+  assert small > bench.bytes_per_step(mc, sched, batch=2, context=256, dense=True)
