@@ -177,22 +177,11 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, lengths, *, sm_scale=
       pl.BlockSpec((None,), lambda i, j, r: (i,)),  # lengths
   ]
   args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32)]
-  args, in_specs, aliases = split_k.alias_poison(poison, args, in_specs, out_shape,
-                                                  out_specs)
   kernel = functools.partial(_paged_decode_kernel, sm_scale=float(sm_scale),
                              pages_per_block=ppb, k_splits=splits)
-  return pl.pallas_call(
-      kernel,
-      grid=(b, kvh, splits),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=interpret,
-      name="dense_paged_decode",
-  )(*args)
+  return split_k.launch(kernel, name="dense_paged_decode", grid=(b, kvh, splits), args=args,
+                        in_specs=in_specs, out_shape=out_shape, out_specs=out_specs,
+                        poison=poison, config=config, interpret=interpret)
 
 
 def paged_decode(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None,

@@ -182,22 +182,11 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
   ]
   args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32),
           lengths.astype(jnp.int32), page_idx, valid, active]
-  args, in_specs, aliases = split_k.alias_poison(poison, args, in_specs, out_shape,
-                                                  out_specs)
   kernel = functools.partial(_sparse_decode_kernel, sm_scale=float(sm_scale),
                              pages_per_block=ppb, k_splits=splits)
-  return pl.pallas_call(
-      kernel,
-      grid=(b, kvh, splits),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
-                                           num_stages=config.num_stages),
-      interpret=interpret,
-      name="sparse_paged_decode",
-  )(*args)
+  return split_k.launch(kernel, name="sparse_paged_decode", grid=(b, kvh, splits), args=args,
+                        in_specs=in_specs, out_shape=out_shape, out_specs=out_specs,
+                        poison=poison, config=config, interpret=interpret)
 
 
 def sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *, sm_scale=None,

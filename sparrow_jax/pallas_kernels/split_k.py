@@ -97,6 +97,26 @@ def alias_poison(poison, args, in_specs, out_shape, out_specs):
   return args, list(in_specs) + list(out_specs), aliases
 
 
+def launch(kernel, *, name: str, grid, args, in_specs, out_shape, out_specs, poison, config,
+           interpret: bool):
+  """`pallas_call` of a split-K decode kernel (grid (B, K, splits)) with the launch parameters
+  of `config` (num_warps, num_stages) and the optional NaN-poisoned output buffers."""
+  from jax.experimental.pallas import triton as plgpu
+  args, in_specs, aliases = alias_poison(poison, args, in_specs, out_shape, out_specs)
+  return pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
+      interpret=interpret,
+      name=name,
+  )(*args)
+
+
 def merge_partials(o, l, m, num_heads: int):
   """Merges per-split flash-decoding partials into the attention output.
 
