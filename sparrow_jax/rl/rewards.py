@@ -213,7 +213,12 @@ def _thread_worker(fn: RewardFn, inbox: queue.Queue, outbox: queue.Queue, wid: i
     outbox.put((wid, i) + _call(fn, completion, answer))
 
 
-def _process_worker(fn: RewardFn, conn) -> None:
+def _process_worker(fn: RewardFn | str, conn) -> None:
+  if isinstance(fn, str):  # a custom spec (file.py:function): loaded here, not unpickled
+    try:
+      fn = get_reward(fn)
+    except ValueError:
+      return  # the parent reports a worker that exits while starting
   conn.send(("ready",))  # fn (and its module) is imported by now
   while True:
     try:
@@ -324,7 +329,14 @@ class RewardScorer:
 
   def __init__(self, fn: RewardFn | str, *, timeout_s: float = 10.0, num_workers: int = 4,
                backend: str = "thread", max_logged_errors: int = 8):
+    # A custom verifier given by spec (`/path/file.py:function`, `module:function`) is sent to
+    # process workers as the spec, so each child loads it itself: a function loaded from a
+    # file path cannot be unpickled by name in a fresh process.
+    self._spec = None
     if isinstance(fn, str):
+      from sparrow_jax.rl import custom_reward
+      if custom_reward.is_custom_spec(fn) and fn not in _REGISTRY:
+        self._spec = fn
       fn = get_reward(fn)
     if not callable(fn):
       raise ValueError(f"RewardScorer.fn={fn!r}: expected a callable or a registered name")
@@ -355,7 +367,7 @@ class RewardScorer:
     self._next_wid += 1
     if self.backend == "thread":
       return _ThreadWorker(self.fn, self._outbox, self._next_wid)
-    return _ProcessWorker(self.fn, self._ctx, self._next_wid)
+    return _ProcessWorker(self._spec or self.fn, self._ctx, self._next_wid)
 
   def _wait(self, busy: dict, starting: list, timeout: float
             ) -> list[tuple[int, int, bool, object]]:

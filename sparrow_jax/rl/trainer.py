@@ -367,8 +367,11 @@ class Trainer:
   def scorer(self) -> rewards_lib.RewardScorer:
     """The run's verifier pool: processes started on first use, reused until `close()`."""
     if self._scorer is None:
+      # A custom verifier goes by its spec, so that each worker process loads it itself.
+      from sparrow_jax.rl import custom_reward
+      fn = self.cfg.reward if custom_reward.is_custom_spec(self.cfg.reward) else self.reward_fn
       self._scorer = rewards_lib.RewardScorer(
-          self.reward_fn, timeout_s=self.cfg.reward_timeout_s,
+          fn, timeout_s=self.cfg.reward_timeout_s,
           num_workers=self.cfg.reward_workers, backend="process")
     return self._scorer
 

@@ -237,3 +237,16 @@ def test_custom_reward_from_a_module_or_a_file(tmp_path, monkeypatch):
   bad.write_text("def f(:\n")
   with pytest.raises(ValueError, match="importing .*broken.py failed: SyntaxError"):
     get_reward(f"{bad}:f")
+
+
+def test_process_scorer_loads_a_custom_verifier_from_a_file_in_each_worker(tmp_path):
+  # A function loaded from a file path cannot be unpickled by name in a spawned process: the
+  # spec goes to the workers and each loads it (the trainer's scorer is a process pool).
+  f = tmp_path / "file_reward.py"
+  f.write_text("def starts_right(completion, answer):\n"
+               "    return float(completion.strip().startswith(answer))\n")
+  with R.RewardScorer(f"{f}:starts_right", timeout_s=5.0, num_workers=1,
+                      backend="process") as s:
+    res = s(["42 yes", "no"], ["42", "42"])
+  np.testing.assert_array_equal(res.rewards, [1.0, 0.0])
+  assert res.num_errors == 0 and res.num_timeouts == 0
