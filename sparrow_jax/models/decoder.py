@@ -132,9 +132,16 @@ class Attention(nnx.Module):
   def out(self, o, lora=None):
     """o `[..., N, H]` -> `[..., D]`."""
     dt = self.dtype
-    o = o.astype(dt)
-    y = jnp.einsum("...nh,nhd->...d", o, self.o_NHD.value.astype(dt))
-    return _apply_lora(y, o, (lora or {}).get("o"), "...nh,nhr->...r", "...r,rd->...d", dt)
+    n, h, d = self.o_NHD.value.shape
+    # One contraction over the flattened (head, dim) axis, in the weight's own row-major
+    # order: `einsum("...nh,nhd")` let XLA pick the order (h, n) and transpose the whole o
+    # weight every call (a weight-sized copy per layer per decode step on CPU).
+    o = o.astype(dt).reshape(*o.shape[:-2], n * h)
+    y = jnp.einsum("...c,cd->...d", o, self.o_NHD.value.astype(dt).reshape(n * h, d))
+    lora_o = (lora or {}).get("o")
+    if lora_o is not None:
+      lora_o = dict(lora_o, a=lora_o["a"].reshape(n * h, -1))
+    return _apply_lora(y, o, lora_o, "...c,cr->...r", "...r,rd->...d", dt)
 
 
 class MLP(nnx.Module):

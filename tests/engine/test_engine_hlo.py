@@ -1,15 +1,20 @@
-"""The compiled decode step does not copy or slice the KV pool.
+"""The compiled decode step does not copy or slice the KV pool, nor copy a weight.
 
 A decode step must cost what attention reads (the sequences' own pages, or the selected pages
 plus landmarks), not the pool. The pool is the only array with `POOL` pages, so every HLO
 instruction whose result has that dimension is checked: only parameters, tuple plumbing, the
 while loop, in-place scatters (the token and landmark writes) and bitcasts may produce it.
 A `copy`, `slice`, `concatenate`, `dynamic-slice` or a fusion that materialises the pool would
-be a per-step cost proportional to the pool size.
+be a per-step cost proportional to the pool size. Likewise a fusion (or copy) that reads a
+weight and writes as many elements is a relayout of that weight, redone every step (an einsum
+contracting two axes once made XLA transpose every attention output weight per step).
 """
+
+import math
 
 import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -66,6 +71,41 @@ def pool_sized_ops(hlo: str, pool: int) -> list[str]:
   return bad
 
 
+def weight_relayouts(hlo: str, weight_shapes) -> list[str]:
+  """Fusions / copies / transposes that read a weight-shaped array and write one as large."""
+  shapes = {tuple(s) for s in weight_shapes if len(s) >= 2}
+  comps = _computations(hlo)
+  param_shapes = {}
+  for name, lines in comps.items():
+    found = set()
+    for line in lines:
+      m = _INSTR.match(line)
+      if m and m.group(3) == "parameter":
+        dims = re.findall(r"\[([\d,]*)\]", m.group(2))
+        if dims and dims[0]:
+          found.add(tuple(int(x) for x in dims[0].split(",")))
+    param_shapes[name] = found
+  bad = []
+  for name, lines in comps.items():
+    for line in lines:
+      m = _INSTR.match(line)
+      if not m or m.group(3) not in ("fusion", "copy", "transpose"):
+        continue
+      dims = re.findall(r"\[([\d,]*)\]", m.group(2))
+      if len(dims) != 1 or not dims[0]:
+        continue
+      numel = math.prod(int(x) for x in dims[0].split(","))
+      if m.group(3) == "fusion":
+        called = re.search(r"calls=%([\w.\-]+)", m.group(4))
+        read = param_shapes.get(called.group(1), set()) if called else set()
+      else:
+        read = {tuple(int(x) for x in d.split(",")) for d in
+                re.findall(r"\[([\d,]*)\]", m.group(4).split("metadata")[0]) if d}
+      if any(w in shapes and math.prod(w) == numel for w in read):
+        bad.append(f"{name}: {line.strip()[:160]}")
+  return bad
+
+
 @pytest.mark.parametrize("attention", [None, BlockSparse(max_budget=2, page_size=16,
                                                          dense_layers=(0,))],
                          ids=["dense", "sparse"])
@@ -83,6 +123,39 @@ def test_decode_step_has_no_pool_sized_copy_or_slice(attention):
   hlo = eng._get_decode().lower(*args).compile().as_text()
   assert f"{POOL}" in hlo  # the pool is there (as parameters / loop state)...
   assert pool_sized_ops(hlo, POOL) == []  # ...and nothing copies or slices it
+  weights = [x.shape for x in jax.tree.leaves(eng.state)]
+  assert weight_relayouts(hlo, weights) == []
+  if attention is not None:
+    assert scoring_recomputes_query(hlo, cfg, b) == []
+
+
+def scoring_recomputes_query(hlo: str, cfg, batch: int) -> list[str]:
+  """Fusions that score pages (read a layer's landmark pool, other than its in-place write)
+  and also read something larger than the group-mean query [B, K, D]: XLA:CPU fused the
+  query's projection / RoPE into the per-page loop and recomputed it for every page."""
+  pool = f"[{cfg.num_kv_heads},{POOL},{cfg.head_dim}]"
+  limit = batch * cfg.num_kv_heads * cfg.head_dim
+  bad, scoring = [], 0
+  for name, lines in _computations(hlo).items():
+    if name.startswith(("wide", "main", "region")):
+      continue  # loop bodies and the entry hold the pool as state
+    params, root = [], ""
+    for line in lines:
+      m = _INSTR.match(line)
+      if m and m.group(3) == "parameter":
+        params.append(m.group(2))
+      if line.strip().startswith("ROOT") and m:
+        root = m.group(3)
+    if root == "scatter" or not any(pool in p for p in params):
+      continue
+    scoring += 1
+    for p in params:
+      dims = re.findall(r"\[([\d,]*)\]", p)
+      numel = math.prod(int(x) for x in dims[0].split(",")) if dims and dims[0] else 1
+      if pool not in p and not p.startswith("s32") and numel > limit:
+        bad.append(f"{name}: reads {p}")
+  assert scoring, "no page-scoring fusion found"
+  return bad
 
 
 def test_checker_flags_a_pool_copy():
