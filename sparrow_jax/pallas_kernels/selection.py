@@ -139,15 +139,20 @@ def gather_landmarks(landmarks, page_table):
 
 
 def _materialize(x):
-  """`x`, unchanged bit for bit, computed once before its per-page uses.
+  """`x` (float32, [..., D]), computed once before its per-page uses.
 
   XLA:CPU fuses a cheap-looking producer into every consumer and recomputes it per output
-  element: here the query's whole computation (projection, RoPE's cos/sin) would be redone for
-  every page scored, ~10x the step's scoring time at 8K tokens. A reduce is a fusion root, and
-  the max of two copies of x is exactly x (NaN stays NaN), so this forces one evaluation
-  without changing a value. (`lax.optimization_barrier` is dropped by the CPU pipeline.)
+  element: the query's RoPE (and, for mean landmarks, the mean over its GQA group) would be
+  redone for every page scored, ~3x the scoring time of a layer at 8K tokens in the engine.
+  XLA does not fuse a dot into a loop fusion, so `x` goes through a product with the D x D
+  identity at full float32 precision: every output is `x_i * 1` plus exact zeros, i.e. `x`
+  bit for bit for finite values (a -0.0 becomes +0.0; an infinite entry turns its row NaN,
+  where the score would be inf or NaN anyway). Neither `lax.optimization_barrier` (dropped by
+  the CPU pipeline) nor a max over two copies (simplified away) stops the fusion.
   """
-  return jnp.max(jnp.stack([x, x]), axis=0)
+  eye = jnp.eye(x.shape[-1], dtype=jnp.float32)
+  return jnp.einsum("...d,de->...e", x.astype(jnp.float32), eye, precision=lax.Precision.HIGHEST,
+                    preferred_element_type=jnp.float32)
 
 
 def score_pages(q, landmarks, kind):
@@ -184,12 +189,12 @@ def score_pages(q, landmarks, kind):
   if h % kvh:
     raise ValueError(f"q has H={h} heads: expected a multiple of the K={kvh} kv heads")
   g = h // kvh
-  qg = _materialize(q.astype(jnp.float32).reshape(*q.shape[:-2], kvh, g, d))  # [..,K,G,D]
+  qg = q.astype(jnp.float32).reshape(*q.shape[:-2], kvh, g, d)  # [..., K, G, D]
   if kind is LandmarkKind.MEAN:
-    qm = tree_sum(qg, axis=-2) / g  # [..., K, D]
+    qm = _materialize(tree_sum(qg, axis=-2) / g)  # [..., K, D]
     return tree_sum(qm[..., None, :] * landmarks.astype(jnp.float32), axis=-1)  # [..., K, M]
   kmin, kmax = (x.astype(jnp.float32)[..., :, None, :, :] for x in landmarks)  # [..,K,1,M,D]
-  qe = qg[..., None, :]  # [..., K, G, 1, D]
+  qe = _materialize(qg)[..., None, :]  # [..., K, G, 1, D]
   per_head = tree_sum(jnp.maximum(qe * kmax, qe * kmin), axis=-1)  # [..., K, G, M]
   return jnp.max(per_head, axis=-2)  # [..., K, M]
 
