@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tests.rl import reward_helpers  # noqa: F401  (registers the test verifiers)
+from tests.rl.resume_helpers import assert_same_metrics, full_and_interrupted
 from sparrow_jax.rl.config import get_train_config
 from sparrow_jax.rl.metrics import read_jsonl
 from sparrow_jax.rl.trainer import Trainer, TrainingStopped
@@ -23,30 +24,18 @@ def _cfg(tmp, *extra):
   return get_train_config("tiny", SMALL + [f"out_dir={tmp}"] + list(extra))
 
 
-def _comparable(rec):
-  return {k: v for k, v in rec.items()
-          if not k.startswith("time/") and k not in ("rollout/tokens_per_s", "compilations")}
-
-
 def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
 
 
 @pytest.mark.parametrize("distill", [False, True])
 def test_resume_continues_exactly(tmp_path, distill):
-  flag = f"distill={str(distill).lower()}"
-  full = Trainer(_cfg(tmp_path / "full", "num_steps=5", flag), quiet=True)
-  full.fit()
-  part = Trainer(_cfg(tmp_path / "part", "num_steps=3", flag), quiet=True)
-  part.fit()
+  full, part, resumed = full_and_interrupted(_cfg, tmp_path, 5, 3,
+                                             f"distill={str(distill).lower()}")
   assert part.checkpointer.latest_step() == 3
-  resumed = Trainer(_cfg(tmp_path / "part", "num_steps=5", flag), quiet=True)
   assert resumed.resume() == 3
   resumed.fit()
-  a = read_jsonl(str(tmp_path / "full" / "metrics.jsonl"))
-  b = read_jsonl(str(tmp_path / "part" / "metrics.jsonl"))
-  for step in (4, 5):
-    assert _comparable(a[step]) == _comparable(b[step]), step
+  assert_same_metrics(tmp_path, (4, 5))
   for x, y in zip(_leaves(full._state()), _leaves(resumed._state())):
     np.testing.assert_array_equal(x, y)
 

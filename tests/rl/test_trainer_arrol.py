@@ -10,8 +10,8 @@ import pytest
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl.config import get_train_config
-from sparrow_jax.rl.metrics import read_jsonl
 from sparrow_jax.rl.trainer import Trainer
+from tests.rl.resume_helpers import assert_same_metrics, full_and_interrupted
 
 ARROL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",
          "tensorboard=false", "save_every=1", "arrol=true", "arrol_detect_len=1",
@@ -22,11 +22,6 @@ KEYS = ("arrol/kept_frac", "arrol/rho_hat_mean", "arrol/rho_hat_var", "arrol/hea
 
 def _cfg(tmp, *extra):
   return get_train_config("tiny", ARROL + [f"out_dir={tmp}"] + list(extra))
-
-
-def _comparable(rec):
-  return {k: v for k, v in rec.items()
-          if not k.startswith("time/") and k not in ("rollout/tokens_per_s", "compilations")}
 
 
 def test_arrol_step_prunes_rebatches_and_trains_the_head(tmp_path, monkeypatch):
@@ -66,19 +61,12 @@ def test_arrol_step_prunes_rebatches_and_trains_the_head(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("mode", ["head", "random"])
 def test_arrol_resume_continues_exactly(tmp_path, mode):
-  flag = f"arrol_mode={mode}"
-  full = Trainer(_cfg(tmp_path / "full", "num_steps=4", flag), quiet=True)
-  full.fit()
-  part = Trainer(_cfg(tmp_path / "part", "num_steps=2", flag), quiet=True)
-  part.fit()
-  resumed = Trainer(_cfg(tmp_path / "part", "num_steps=4", flag), quiet=True)
+  full, _, resumed = full_and_interrupted(_cfg, tmp_path, 4, 2, f"arrol_mode={mode}")
   assert resumed.resume() == 2
   assert resumed.arrol.step == 2
   resumed.fit()
-  a = read_jsonl(str(tmp_path / "full" / "metrics.jsonl"))
-  b = read_jsonl(str(tmp_path / "part" / "metrics.jsonl"))
+  a, _ = assert_same_metrics(tmp_path, (3, 4))
   for step in (3, 4):
-    assert _comparable(a[step]) == _comparable(b[step]), step
     assert a[step]["arrol/kept_frac"] < 1.0
   sa, sb = full.arrol.state_dict(), resumed.arrol.state_dict()
   for x, y in zip(jax.tree.leaves(sa), jax.tree.leaves(sb)):
