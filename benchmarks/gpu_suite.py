@@ -378,7 +378,7 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
   from sparrow_jax.engine.sampling import SamplingParams
   from sparrow_jax.engine.scheduler import Scheduler
 
-  c, mc = engine.config, engine.model_config
+  c = engine.config
   sched = Scheduler(num_shards=1, num_slots=c.num_slots, num_pages=engine.pool_pages,
                     page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
                     chunk=c.decode_chunk)
@@ -436,7 +436,7 @@ def engine_decode(run: Run) -> dict:
   from sparrow_jax.models.config import get_config
   from sparrow_jax.models.decoder import init_model
   from sparrow_jax.schedule import get_schedule
-  from sparrow_jax.schedule.schedule import attention_spec
+  from sparrow_jax.schedule.schedule import attention_spec, budget_pages
 
   z = run.engine
   mcfg = get_config(z["model"], dtype="bfloat16", param_dtype="bfloat16", **z["overrides"])
@@ -459,7 +459,7 @@ def engine_decode(run: Run) -> dict:
       sched = fill_random_context(eng, z["batch"], ctx)
       out[name] = decode_step_ms(run, eng, sched, steps)
       del eng, sched
-    budget = int(sched_.budgets[min(ctx // sched_.bin_size, sched_.num_bins - 1)])
+    budget = int(budget_pages(sched_, ctx))
     rows.append(dict(context=ctx, batch=z["batch"], budget_pages=budget,
                      dense_ms=out["dense"], sparse_ms=out["sparse"],
                      dense_tok_s=z["batch"] * 1e3 / out["dense"],

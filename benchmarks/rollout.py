@@ -27,6 +27,7 @@ Weights are random unless --model-path is given: decode speed does not depend on
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import os
 import platform
@@ -70,7 +71,7 @@ def _fill(dense, sparse, prompts, max_new: int):
   admitted = sched.admit()
   assert len(admitted) == len(prompts), "the pool must hold every prompt"
   t0 = time.perf_counter()
-  sparse._prefill(sched, admitted, sparse._table(), None, {}, _Counter())
+  sparse._prefill(sched, admitted, sparse._table(), None, {}, collections.Counter())
   jax.block_until_ready(sparse._kv.k[0])
   prefill_s = time.perf_counter() - t0
   sched_d = copy.deepcopy(sched)
@@ -80,17 +81,12 @@ def _fill(dense, sparse, prompts, max_new: int):
   return (sched_d, sched), prefill_s
 
 
-class _Counter(dict):
-  def __missing__(self, key):
-    return 0
-
-
 def _chunk_fn(engine, sched):
   """One decode chunk of the engine's running sequences (pages grown first, as `generate`)."""
   table = engine._table()
 
   def run():
-    engine._decode_chunk(sched, sched.grow(), table, None, {}, _Counter())
+    engine._decode_chunk(sched, sched.grow(), table, None, {}, collections.Counter())
     jax.block_until_ready(engine._kv.k[0])
 
   return run
@@ -111,6 +107,8 @@ def time_pair(dense, sparse, scheds, steps: int, repeats: int) -> dict[str, floa
 def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool,
                    itemsize: int = 4) -> float:
   """Bytes a decode step must read: weights + KV (and landmarks) of every layer."""
+  from sparrow_jax.schedule.schedule import pages_read
+
   mc = model_cfg
   d, f, v = mc.hidden_size, mc.intermediate_size, mc.vocab_size
   per_layer = d * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + \
@@ -124,7 +122,7 @@ def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool
     if dense or layer in schedule.dense_layers:
       total += batch * context * kv_tok
     else:
-      sel = min(pages, schedule.budgets[-1] + schedule.reserved)
+      sel = int(pages_read(schedule, context))
       total += batch * (sel * s * kv_tok + pages * mc.num_kv_heads * mc.head_dim * 4)
   return weights + total
 

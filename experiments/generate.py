@@ -95,21 +95,15 @@ def _attention(args, run_schedule):
 def _encode(tok, messages, raw: bool) -> list[int]:
   """Token ids of a conversation: the chat template when the tokenizer has one (and not
   --no-chat-template), else the message texts joined by newlines."""
-  from sparrow_jax.rl.tokenizers import ByteTokenizer
+  from sparrow_jax.rl.builders import encode_prompt
+  from sparrow_jax.rl.data import PromptExample
 
-  text = "\n".join(m["content"] for m in messages)
-  if isinstance(tok, ByteTokenizer):
-    return tok.encode(text)
-  if tok.chat_template and not raw:
-    chat = tok.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-    return list(tok(chat, add_special_tokens=False)["input_ids"])
-  return list(tok(text)["input_ids"])
+  return encode_prompt(tok, PromptExample(tuple(messages), ""), use_chat=not raw)
 
 
 def _chat(args, engine, tok, lora, params_of) -> int:
   """One reply per stdin line; the conversation is the prompt when a chat template exists."""
   from sparrow_jax.engine.engine import Request
-  from sparrow_jax.engine.sampling import SamplingParams
 
   multi_turn = bool(getattr(tok, "chat_template", None)) and not args.no_chat_template
   if not multi_turn:

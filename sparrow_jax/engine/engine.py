@@ -208,6 +208,7 @@ class GenerationEngine:
     self.pool_pages = resolve_pool_pages(cfg, self.bytes_per_page, devices[0])
     self._landmark = landmark
     self._kv = self._create_pool()
+    self._zero_head = None  # the quality head of random pruning (its logits are unused)
     self.num_compilations = 0
     self.stats: collections.Counter = collections.Counter()
     self.last_stats: dict[str, float] = {}
@@ -647,8 +648,11 @@ class GenerationEngine:
     ids = sorted(prune.stop_ids) or [-1]
     head = prune.head_params
     if head is None:  # no score wanted (random pruning): a zero head, logits are ignored
-      head = init_quality_head(jax.random.PRNGKey(0), self.model_config.hidden_size)
-      head = jax.tree.map(jnp.zeros_like, head)
+      if self._zero_head is None:
+        shapes = jax.eval_shape(
+            lambda: init_quality_head(jax.random.PRNGKey(0), self.model_config.hidden_size))
+        self._zero_head = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+      head = self._zero_head
     head = jax.device_put(head, NamedSharding(self.mesh, P()))
     return (head, jnp.asarray(ids, jnp.int32), jnp.asarray(prompt_len), jnp.asarray(det_end))
 
@@ -657,7 +661,7 @@ class GenerationEngine:
 
   def _decode_chunk(self, sched: Scheduler, running: list[SeqState], table, lora,
                     done: dict, counts, prune: PruneHook | None = None) -> None:
-    cfg, d, b = self.config, self.num_shards, self.config.num_slots
+    d, b = self.num_shards, self.config.num_slots
     width = self._page_bucket(max(len(s.pages) for s in running))
     rows: list[SeqState | None] = [None] * (d * b)
     for s in running:
@@ -682,8 +686,8 @@ class GenerationEngine:
         self.state, cache, jnp.asarray(tokens), jnp.asarray(active), jnp.asarray(remaining),
         jnp.asarray(stop_ids), *params, table, lora, *det)
     self._kv = cache
+    outs, steps, rec = jax.device_get((outs, steps, rec))  # one transfer per chunk
     if prune is not None:
-      rec = jax.device_get(rec)
       for r, sq in enumerate(rows):
         if sq is None:
           continue
@@ -693,8 +697,8 @@ class GenerationEngine:
         if rec[5][r] >= 0:
           dt.last_logit, dt.last_hidden, dt.last_index = (float(rec[3][r]),
                                                           np.asarray(rec[4][r]), int(rec[5][r]))
-    toks, lps, tk_ids, tk_lps = jax.device_get(outs)  # [C, D*B], [C, D*B, k]
-    steps = np.asarray(jax.device_get(steps))  # [D] steps run per shard
+    toks, lps, tk_ids, tk_lps = outs  # [C, D*B], [C, D*B, k]
+    steps = np.asarray(steps)  # [D] steps run per shard
     counts["decode_chunks"] += 1
     counts["decode_steps"] += int(steps.max())
     for k in range(d):

@@ -80,9 +80,11 @@ def sample_tokens(logits, seeds, positions, temperature, top_p, top_k):
     keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds,
                                                                                positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
-    return jnp.argmax(x + gumbel, axis=-1)
+    return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
 
-  sampled = jax.lax.cond(jnp.all(greedy), lambda x: jnp.argmax(x, axis=-1), draw, filtered)
+  # All rows greedy: nothing to draw (the `where` below takes every row's argmax).
+  sampled = jax.lax.cond(jnp.all(greedy), lambda x: jnp.zeros(x.shape[:-1], jnp.int32), draw,
+                         filtered)
   tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
   dist = jnp.where(greedy[:, None], logits, filtered)
   logp = jax.nn.log_softmax(dist, axis=-1)

@@ -11,11 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
-import jax
-import jax.numpy as jnp
-
-from sparrow_jax.pallas_kernels import (dispatch, reference, selection, sparse_decode,
-                                        teacher_forced)
+from sparrow_jax.pallas_kernels import dispatch, selection, sparse_decode, teacher_forced
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -410,7 +410,7 @@ class Checkpointer:
     An unreadable step raises CheckpointDamagedError (a ValueError) naming the file.
     """
     step = self._resolve_step(step)
-    self._read_metadata(step)  # cheap, and names a damaged metadata file
+    raw_meta = self._read_metadata(step)  # cheap, and names a damaged metadata file
     if abstract_state is None:
       out = self._orbax_restore(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore())))
@@ -447,7 +447,7 @@ class Checkpointer:
       state_dir = os.path.join(self._step_dir(step), "state")
       state = self._orbax_restore(
           step, lambda: ocp.PyTreeCheckpointHandler().restore(epath.Path(state_dir), args=args))
-      out = {"state": state, "metadata": self._read_metadata(step)}
+      out = {"state": state, "metadata": raw_meta}
     else:
       out = self._orbax_restore(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(_nest(abstract_flat)),

@@ -233,11 +233,7 @@ class TrainConfig:
   def arrol_config(self):
     """The `rl.arrol.ArrolConfig` these `arrol_*` keys describe."""
     from sparrow_jax.rl.arrol import ArrolConfig
-    return ArrolConfig(mode=self.arrol_mode, keep_rate=self.arrol_keep_rate,
-                       target=self.arrol_target, lam=self.arrol_lambda, p_min=self.arrol_p_min,
-                       p_max=self.arrol_p_max, num_bins=self.arrol_bins,
-                       warmup_steps=self.arrol_warmup_steps, detect_len=self.arrol_detect_len,
-                       head_lr=self.arrol_head_lr, steer=self.arrol_steer)
+    return ArrolConfig(**{field: getattr(self, key) for field, key in _ARROL_KEYS.items()})
 
   @property
   def batch_size(self) -> int:

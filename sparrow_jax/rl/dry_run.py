@@ -22,8 +22,8 @@ from sparrow_jax.rl.memory import plan_memory
 
 
 def memory_plan(cfg: TrainConfig, num_devices: int, *, mean_response_len: int | None = None):
-  """The memory plan of a training config: the dry run prints it and the trainer sizes the
-  rollout engine's KV pool from it (`plan.kv_cache_bytes`), so both use one model."""
+  """The memory plan of a training config, as `--dry-run` prints it. The trainer calls
+  `plan_for_model` with its built model config, so both size the KV pool with one model."""
   mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   return plan_for_model(cfg, mcfg, num_devices, mean_response_len=mean_response_len)
 

@@ -309,8 +309,7 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   compute_dtype = compute_dtype or model_cfg.dtype
   cache_dtype = cache_dtype or compute_dtype
   cfg = model_cfg.replace(param_dtype=param_dtype, dtype=compute_dtype)
-  pb, ob, ab, cb = (_itemsize(param_dtype), _itemsize(opt_dtype), _itemsize(compute_dtype),
-                    _itemsize(cache_dtype))
+  pb, ob, ab = _itemsize(param_dtype), _itemsize(opt_dtype), _itemsize(compute_dtype)
   if master_weights is None:
     master_weights = optimizer != "sgd" and pb < ob
   t = sizes["tensor"]

@@ -232,6 +232,7 @@ def _process_worker(fn: RewardFn | str, conn) -> None:
 
 
 class _ThreadWorker:
+  ready = True  # a thread shares this process's imports: nothing to wait for
 
   def __init__(self, fn: RewardFn, outbox: queue.Queue, wid: int):
     self.wid = wid
@@ -407,9 +408,8 @@ class RewardScorer:
     errors: list[str] = []
     num_errors = num_timeouts = 0
     todo = list(range(n - 1, -1, -1))  # popped from the end: index order
-    ready = lambda w: self.backend == "thread" or w.ready
-    idle = [w for w in self._workers if ready(w)]
-    starting = [w for w in self._workers if not ready(w)]  # replacements still importing
+    idle = [w for w in self._workers if w.ready]
+    starting = [w for w in self._workers if not w.ready]  # replacements still importing
     busy: dict[int, tuple[object, tuple[int, float]]] = {}  # wid -> (worker, (index, deadline))
     while todo or busy:
       while todo and idle:
@@ -449,7 +449,7 @@ class RewardScorer:
         if len(errors) < self.max_logged_errors:
           errors.append(f"{i}: Timeout: verifier ran past timeout_s={self.timeout_s}")
         new = self._replace(w)
-        (idle if self.backend == "thread" else starting).append(new)
+        (idle if new.ready else starting).append(new)
     return ScoreResult(rewards=rewards, num_errors=num_errors, num_timeouts=num_timeouts,
                        errors=tuple(errors))
 

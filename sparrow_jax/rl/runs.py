@@ -185,7 +185,7 @@ def load_run_policy(out_dir: str, *, lora: bool = False,
 
   from sparrow_jax.models import lora as lora_lib
   from sparrow_jax.rl.checkpointing import Checkpointer
-  from sparrow_jax.rl.trainer import build_model, build_schedule
+  from sparrow_jax.rl.builders import build_model, build_schedule
   from sparrow_jax.schedule.schedule import SparsitySchedule
 
   cfg = run_config(out_dir)
@@ -200,14 +200,16 @@ def load_run_policy(out_dir: str, *, lora: bool = False,
   if lora:
     lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                targets=cfg.lora_targets)
-    abstract["lora"] = lora_lib.init_lora(model.cfg, lcfg, jax.random.PRNGKey(0))
+    abstract["lora"] = jax.eval_shape(  # shapes only: the values come from the checkpoint
+        lambda: lora_lib.init_lora(model.cfg, lcfg, jax.random.PRNGKey(0)))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                          sharding=x.sharding), abstract)
   ck = Checkpointer(ck_dir, read_only=True)  # the run may still be training
   step, state, meta, _ = ck.restore_latest_intact(abstract, partial=True, report=report)
   ck.close()
-  schedule = build_schedule(cfg)
   if isinstance(meta.get("schedule"), Mapping):  # the ladder may have moved on
     schedule = SparsitySchedule.from_dict(meta["schedule"], source=f"{ck_dir}/{step}")
+  else:
+    schedule = build_schedule(cfg)
   return RunPolicy(cfg=cfg, model=nnx.merge(graphdef, state["params"]), tokenizer=tokenizer,
                    lora=state.get("lora"), schedule=schedule, step=step)

@@ -367,11 +367,9 @@ class Trainer:
   def scorer(self) -> rewards_lib.RewardScorer:
     """The run's verifier pool: processes started on first use, reused until `close()`."""
     if self._scorer is None:
-      # A custom verifier goes by its spec, so that each worker process loads it itself.
-      from sparrow_jax.rl import custom_reward
-      fn = self.cfg.reward if custom_reward.is_custom_spec(self.cfg.reward) else self.reward_fn
+      # By name: a custom verifier's spec goes to the workers, each of which loads it itself.
       self._scorer = rewards_lib.RewardScorer(
-          fn, timeout_s=self.cfg.reward_timeout_s,
+          self.cfg.reward, timeout_s=self.cfg.reward_timeout_s,
           num_workers=self.cfg.reward_workers, backend="process")
     return self._scorer
 
@@ -456,7 +454,7 @@ class Trainer:
         engine_stats[k] = max(engine_stats[k], v) if k.endswith("_frac") else engine_stats[k] + v
       r, res = self.score(examples, new)
       t_roll, t_score = t_roll + t1 - t0, t_score + time.perf_counter() - t1
-      if self.arrol is None:  # (ARRoL's groups are ragged; it excludes dynamic sampling)
+      if cfg.dynamic_sampling:  # (ARRoL's groups are ragged; it excludes dynamic sampling)
         pool.add(r, index=np.arange(len(comps), len(comps) + len(new)))
       comps += new
       rewards.append(r)
@@ -491,14 +489,15 @@ class Trainer:
     t_recompute = time.perf_counter() - t1
     g = cfg.group_size
     rows = batch["tokens"].shape[0]
+    gids = [c.request_id[0] for c in comps]  # each trained rollout's group (prompt) id
+    rho_hat = arrol_lib.rho_hat_stats(rewards, gids)
     if self.arrol is None:
       adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
                                              normalize_std=cfg.normalize_adv_std))
       groups = rewards.reshape(-1, g)
       zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
     else:  # groups of unequal size once ARRoL pruned some members
-      adv = grpo.ragged_group_advantages(rewards, [c.request_id[0] for c in comps],
-                                         normalize_std=cfg.normalize_adv_std)
+      adv = grpo.ragged_group_advantages(rewards, gids, normalize_std=cfg.normalize_adv_std)
     adv = np.pad(adv, (0, rows - len(adv)))  # padding rows (mask 0) of a survivor batch
     response_mask = batch["mask"]  # [B, T]: monitor, DistillSparse, probe (reward-free)
     mask = response_mask.copy()  # [B, T]: the GRPO loss
@@ -539,7 +538,7 @@ class Trainer:
     all_comps, all_rewards = gen["completions"], gen["rewards"]  # every scored sample
     resp_lens = np.array([len(c.token_ids) for c in all_comps])
     gen_tokens = int(resp_lens.sum()) + sum(len(c.token_ids) for c in gen["pruned"])
-    arrol_metrics = self._arrol_update(comps, rewards, gen["pruned"])
+    arrol_metrics = self._arrol_update(comps, rewards, gen["pruned"], rho_hat)
     if self.arrol is None:
       all_groups = all_rewards.reshape(-1, g)
       frac_zero_var = float(np.mean(np.all(all_groups == all_groups[:, :1], axis=1)))
@@ -550,8 +549,7 @@ class Trainer:
         "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std()),
         "reward/frac_zero_var_groups": frac_zero_var,
         # ARRoL's Table 4 statistics for every run: rho_hat = positive fraction of a group.
-        **dict(zip(("reward/rho_hat_mean", "reward/rho_hat_var"), arrol_lib.rho_hat_stats(
-            rewards, [c.request_id[0] for c in comps]))),
+        **dict(zip(("reward/rho_hat_mean", "reward/rho_hat_var"), rho_hat)),
         "reward/verifier_errors": gen["num_errors"],
         "reward/verifier_timeouts": gen["num_timeouts"],
         "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),
@@ -596,10 +594,11 @@ class Trainer:
       return -(-n // cfg.mini_batch) * cfg.mini_batch
     return min(cfg.batch_size, max(8, 1 << (max(n, 1) - 1).bit_length()))
 
-  def _arrol_update(self, comps, rewards, pruned) -> dict[str, Any]:
+  def _arrol_update(self, comps, rewards, pruned, rho_hat) -> dict[str, Any]:
     """Train the quality head on this step's labelled rollouts (label: reward > 0) and report
     ARRoL's metrics (paper Tables 4/5): kept fraction, E[rho_hat], E[rho_hat (1 - rho_hat)]
-    over groups, head accuracy and AUC (scores taken before the update: held out)."""
+    over groups, head accuracy and AUC (scores taken before the update: held out).
+    `rho_hat`: `arrol.rho_hat_stats` of the kept rollouts (computed once by the step)."""
     if self.arrol is None:
       return {}
     n_kept, n_all = len(comps), len(comps) + len(pruned)
@@ -610,7 +609,7 @@ class Trainer:
         len(seen), self.model_cfg.hidden_size)  # [N, D]
     labels = (np.asarray(rewards)[seen] > 0).astype(np.float32)
     head = self.arrol.train(hidden, labels)
-    rho_mean, rho_var = arrol_lib.rho_hat_stats(rewards, [c.request_id[0] for c in comps])
+    rho_mean, rho_var = rho_hat
     out = {"arrol/kept_frac": n_kept / max(n_all, 1), "arrol/pruned": n_all - n_kept,
            "arrol/rho_hat_mean": rho_mean, "arrol/rho_hat_var": rho_var,
            "arrol/head_acc": head["acc"], "arrol/head_auc": head["auc"],
@@ -709,10 +708,8 @@ class Trainer:
     if self.checkpointer.latest_step() is None:
       raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpointer.directory}")
     report = report or (lambda m: print(m, file=sys.stderr, flush=True))
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding),
-                            self._state())
-    step, state, meta, damaged = self.checkpointer.restore_latest_intact(abstract,
+    # The live state is the template: the checkpointer restores into its shapes and shardings.
+    step, state, meta, damaged = self.checkpointer.restore_latest_intact(self._state(),
                                                                           report=report)
     for d in damaged:  # the resumed run writes these step numbers again
       report(f"moved damaged checkpoint step {d.step} to {self.checkpointer.set_aside(d.step)}")
@@ -755,8 +752,6 @@ class Trainer:
       abstract["lora"] = self.lora
     if self.arrol is not None:  # the quality head (test-time voting weights)
       abstract["arrol"] = {"params": self.arrol.params}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=x.sharding), abstract)
     step, state, meta, _ = self.checkpointer.restore_latest_intact(
         abstract, partial=True, report=report or (lambda m: print(m, file=sys.stderr)))
     self.params = state["params"]

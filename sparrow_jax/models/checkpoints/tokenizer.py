@@ -23,8 +23,6 @@ def load_tokenizer(path):
     FileNotFoundError: the path does not exist, or the directory has no tokenizer files.
     ValueError: the path is a file that is not a `.gguf`.
   """
-  from transformers import AutoTokenizer
-
   from sparrow_jax.models.checkpoints.byte_tokenizer import ByteTokenizer, is_byte_tokenizer_dir
 
   path = os.fspath(path)
@@ -33,6 +31,8 @@ def load_tokenizer(path):
                             "directory or a .gguf file)")
   if is_byte_tokenizer_dir(path):
     return ByteTokenizer.from_pretrained(path)
+  from transformers import AutoTokenizer  # (seconds to import: not for a ByteTokenizer)
+
   if os.path.isdir(path):
     present = [n for n in _TOKENIZER_FILES if os.path.exists(os.path.join(path, n))]
     if not present:
