@@ -39,10 +39,10 @@ BASE = ["arrol_detect_len=1", "arrol_warmup_steps=10", "tensorboard=false", "sav
 def run_variant(name: str, seed: int, keys: list[str], out_dir: str, k: int):
   """Train one variant, then evaluate the final policy on the held-out sums (dense rollouts,
   k samples per prompt). Returns (per-step records, held-out metrics)."""
-  from sparrow_jax.rl.config import get_train_config
-  from sparrow_jax.rl.evaluate import evaluate
-  from sparrow_jax.rl.metrics import read_jsonl
-  from sparrow_jax.rl.trainer import Trainer, build_examples, fit_prompts
+  from sparrow_jax.run.config import get_train_config
+  from sparrow_jax.run.evaluate import evaluate
+  from sparrow_jax.run.metrics import read_jsonl
+  from sparrow_jax.run.trainer import Trainer, build_examples, fit_prompts
 
   run_dir = f"{out_dir}/{name}_s{seed}"
   cfg = get_train_config("tiny", BASE + VARIANTS[name] + keys + [f"seed={seed}",
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   import jax
 
-  from sparrow_jax.rl.config import get_train_config
+  from sparrow_jax.run.config import get_train_config
   names = [v.strip() for v in args.variants.split(",") if v.strip()]
   bad = [n for n in names if n not in VARIANTS]
   if bad:

@@ -61,10 +61,10 @@ def main(argv=None) -> int:
   ap.add_argument("overrides", nargs="*")
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
 
-  from sparrow_jax.rl import runs
-  from sparrow_jax.rl.config import get_train_config, parse_overrides
-  from sparrow_jax.rl.evaluate import evaluate
-  from sparrow_jax.rl.trainer import Trainer, build_examples, fit_prompts
+  from sparrow_jax.run import runs
+  from sparrow_jax.run.config import get_train_config, parse_overrides
+  from sparrow_jax.run.evaluate import evaluate
+  from sparrow_jax.run.trainer import Trainer, build_examples, fit_prompts
   try:
     if args.k < 1:
       raise ValueError(f"--k={args.k}: expected >= 1")

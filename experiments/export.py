@@ -33,7 +33,7 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
 
   from sparrow_jax.models import save_pretrained
-  from sparrow_jax.rl.runs import load_run_policy
+  from sparrow_jax.run.runs import load_run_policy
   try:
     pol = load_run_policy(args.checkpoint, report=lambda m: print(m, file=sys.stderr))
     out = args.out or os.path.join(args.checkpoint, "hf")

@@ -39,7 +39,7 @@ def _load(args):
   if args.checkpoint:
     if args.model_path:
       raise ValueError("give --checkpoint (a training run) or --model-path, not both")
-    from sparrow_jax.rl.runs import load_run_policy
+    from sparrow_jax.run.runs import load_run_policy
     pol = load_run_policy(args.checkpoint, lora=args.lora,
                           report=lambda m: print(m, file=sys.stderr))
     print(f"[{args.checkpoint}: policy of step {pol.step}"
@@ -49,7 +49,7 @@ def _load(args):
     raise ValueError("--lora needs --checkpoint (the run whose sparse actor trained it)")
   path = args.model_path
   if path is None and get_config(args.config).name == "smollm2_135m":
-    from sparrow_jax.rl.trainer import smollm2_gguf_path
+    from sparrow_jax.run.trainer import smollm2_gguf_path
     path = smollm2_gguf_path()
     if path is None:
       raise FileNotFoundError("--config smollm2_135m needs --model-path or the shipped GGUF: "
@@ -95,7 +95,7 @@ def _attention(args, run_schedule):
 def _encode(tok, messages, raw: bool) -> list[int]:
   """Token ids of a conversation: the chat template when the tokenizer has one (and not
   --no-chat-template), else the message texts joined by newlines."""
-  from sparrow_jax.rl.builders import encode_prompt
+  from sparrow_jax.run.builders import encode_prompt
   from sparrow_jax.rl.data import PromptExample
 
   return encode_prompt(tok, PromptExample(tuple(messages), ""), use_chat=not raw)

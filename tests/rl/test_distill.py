@@ -186,7 +186,7 @@ def test_p5_alpha_rises_with_distillation():
 def test_distill_state_checkpoint_round_trip(tmp_path):
   """LoRA + its optimizer state go through the project's orbax Checkpointer; the static
   scale comes back from the template, A/B/moments from disk."""
-  from sparrow_jax.rl.checkpointing import Checkpointer
+  from sparrow_jax.run.checkpointing import Checkpointer
 
   cfg = get_config("tiny", num_layers=4)
   opt = distill.default_optimizer(1e-3)

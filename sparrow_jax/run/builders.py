@@ -19,8 +19,8 @@ from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import Decoder, init_model
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
-from sparrow_jax.rl import sharding as sh
-from sparrow_jax.rl.config import TrainConfig
+from sparrow_jax.run import sharding as sh
+from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule.schedule import SparsitySchedule, parse_schedule
 

@@ -12,10 +12,10 @@ import pytest
 
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
-from sparrow_jax.rl import trainer as trainer_lib
-from sparrow_jax.rl.config import get_train_config
-from sparrow_jax.rl.metrics import read_jsonl
-from sparrow_jax.rl.trainer import Trainer
+from sparrow_jax.run import trainer as trainer_lib
+from sparrow_jax.run.config import get_train_config
+from sparrow_jax.run.metrics import read_jsonl
+from sparrow_jax.run.trainer import Trainer
 from tests.rl import reward_helpers
 
 SMALL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",

@@ -1,4 +1,4 @@
-"""Tests for sparrow_jax.rl.memory: exact parameter bytes, optimizer/LoRA/KV arithmetic against
+"""Tests for sparrow_jax.run.memory: exact parameter bytes, optimizer/LoRA/KV arithmetic against
 independent counts, and the fit / no-fit verdicts for the large presets."""
 
 import math
@@ -13,8 +13,8 @@ from flax import nnx
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.models.kv_cache import PagedKVCache
-from sparrow_jax.rl import memory as M
-from sparrow_jax.rl import sharding as sh
+from sparrow_jax.run import memory as M
+from sparrow_jax.run import sharding as sh
 
 SMALL = dict(batch_slots=8, context_len=256, train_micro_batch=4, train_seq_len=128)
 

@@ -49,7 +49,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from sparrow_jax.rl.sharding import path_str
+from sparrow_jax.run.sharding import path_str
 
 log = logging.getLogger(__name__)
 

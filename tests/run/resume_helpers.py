@@ -1,7 +1,7 @@
 """Shared driver of the "resume continues exactly" trainer tests."""
 
-from sparrow_jax.rl.metrics import read_jsonl
-from sparrow_jax.rl.trainer import Trainer
+from sparrow_jax.run.metrics import read_jsonl
+from sparrow_jax.run.trainer import Trainer
 
 
 def comparable(rec):

@@ -4,9 +4,9 @@ trained, and the schedule ladder switches exactly when the probe tail stays abov
 import jax
 import numpy as np
 
-from sparrow_jax.rl.config import get_train_config
-from sparrow_jax.rl.metrics import read_jsonl
-from sparrow_jax.rl.trainer import Trainer
+from sparrow_jax.run.config import get_train_config
+from sparrow_jax.run.metrics import read_jsonl
+from sparrow_jax.run.trainer import Trainer
 
 SMALL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",
          "tensorboard=false"]

@@ -9,9 +9,9 @@ import pytest
 
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import grpo
-from sparrow_jax.rl.config import get_train_config
-from sparrow_jax.rl.trainer import Trainer
-from tests.rl.resume_helpers import assert_same_metrics, full_and_interrupted
+from sparrow_jax.run.config import get_train_config
+from sparrow_jax.run.trainer import Trainer
+from tests.run.resume_helpers import assert_same_metrics, full_and_interrupted
 
 ARROL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",
          "tensorboard=false", "save_every=1", "arrol=true", "arrol_detect_len=1",
@@ -75,7 +75,7 @@ def test_arrol_resume_continues_exactly(tmp_path, mode):
 
 def test_eval_votes_with_the_head_and_deepconf_side_by_side(tmp_path, monkeypatch):
   from sparrow_jax.rl import eval_metrics as em
-  from sparrow_jax.rl.evaluate import evaluate, extract_answer
+  from sparrow_jax.run.evaluate import evaluate, extract_answer
   tr = Trainer(_cfg(tmp_path, "num_steps=1", "warmstart_steps=20"), quiet=True)
   tr.fit()
   captured = {}

@@ -16,8 +16,8 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from sparrow_jax.rl import grpo  # noqa: E402
-from sparrow_jax.rl.config import get_train_config  # noqa: E402
-from sparrow_jax.rl.trainer import Trainer  # noqa: E402
+from sparrow_jax.run.config import get_train_config  # noqa: E402
+from sparrow_jax.run.trainer import Trainer  # noqa: E402
 
 
 def main(out_dir):

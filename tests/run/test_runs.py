@@ -10,9 +10,9 @@ import signal
 import pytest
 
 import experiments.train as train_cli
-from sparrow_jax.rl import runs
-from sparrow_jax.rl import trainer as trainer_lib
-from sparrow_jax.rl.config import get_train_config
+from sparrow_jax.run import runs
+from sparrow_jax.run import trainer as trainer_lib
+from sparrow_jax.run.config import get_train_config
 
 SMALL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16",
          "tensorboard=false"]

@@ -1,4 +1,4 @@
-"""Tests for sparrow_jax.rl.checkpointing: exact round trips, pruning, overwrite protection,
+"""Tests for sparrow_jax.run.checkpointing: exact round trips, pruning, overwrite protection,
 relative paths, structure errors, and a save killed before orbax's final rename."""
 
 import os
@@ -16,7 +16,7 @@ from flax import nnx
 
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import init_model
-from sparrow_jax.rl.checkpointing import CheckpointDamagedError, Checkpointer, state_nbytes
+from sparrow_jax.run.checkpointing import CheckpointDamagedError, Checkpointer, state_nbytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -164,7 +164,7 @@ _CRASH = textwrap.dedent("""
     import os, sys
     import jax.numpy as jnp
     from orbax.checkpoint._src.path import atomicity
-    from sparrow_jax.rl.checkpointing import Checkpointer
+    from sparrow_jax.run.checkpointing import Checkpointer
 
     ck = Checkpointer(sys.argv[1], keep_last=5)
     for s in (1, 2):

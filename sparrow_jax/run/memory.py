@@ -71,7 +71,7 @@ from flax import nnx
 from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.models.kv_cache import kv_bytes_per_page
-from sparrow_jax.rl import sharding as sh
+from sparrow_jax.run import sharding as sh
 
 GB = 1e9
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")

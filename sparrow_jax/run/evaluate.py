@@ -16,7 +16,7 @@ from sparrow_jax.rl.eval_metrics import eval_summary, trace_confidence, weighted
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams
 from sparrow_jax.rl.switching import probe_tail_alpha
-from sparrow_jax.rl.trainer import encode_prompt
+from sparrow_jax.run.builders import encode_prompt
 
 MODES = ("dense", "sparse", "sparse_lora")
 

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from tests.rl import reward_helpers  # noqa: F401  (registers the test verifiers)
-from tests.rl.resume_helpers import assert_same_metrics, full_and_interrupted
-from sparrow_jax.rl.config import get_train_config
-from sparrow_jax.rl.metrics import read_jsonl
-from sparrow_jax.rl.trainer import Trainer, TrainingStopped
+from tests.run.resume_helpers import assert_same_metrics, full_and_interrupted
+from sparrow_jax.run.config import get_train_config
+from sparrow_jax.run.metrics import read_jsonl
+from sparrow_jax.run.trainer import Trainer, TrainingStopped
 
 import experiments.train as train_cli
 

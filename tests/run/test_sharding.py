@@ -1,4 +1,4 @@
-"""Tests for sparrow_jax.rl.sharding: mesh parsing, partition rules, optimizer-state specs,
+"""Tests for sparrow_jax.run.sharding: mesh parsing, partition rules, optimizer-state specs,
 multi-host detection, and (in a subprocess with 8 fake CPU devices) a sharded training step.
 
 Why a subprocess: `--xla_force_host_platform_device_count=8` only works if XLA_FLAGS is set
@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import Decoder, init_model
-from sparrow_jax.rl import sharding as sh
+from sparrow_jax.run import sharding as sh
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -169,7 +169,7 @@ def test_rule_rank_mismatch_and_unknown_axis_raise():
 
 
 def test_lora_rules():
-  from sparrow_jax.rl.memory import abstract_lora
+  from sparrow_jax.run.memory import abstract_lora
   cfg = get_config("qwen3_0p6b", num_layers=1)
   lora = abstract_lora(cfg, 8, ("q", "k", "o", "gate", "down"))
   specs, fbs = sh.param_specs(lora, {"data": 1, "fsdp": 4, "tensor": 2})

@@ -2,7 +2,7 @@
 
 XLA_FLAGS must be set before jax is imported, and pytest's top-level conftest imports jax in
 the test process, so this runs in a fresh interpreter and prints one JSON object (last line of
-stdout) that the test asserts on. Usage: `python tests/rl/sharded_check.py OUT_DIR`.
+stdout) that the test asserts on. Usage: `python tests/run/sharded_check.py OUT_DIR`.
 """
 
 import os
@@ -27,8 +27,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from sparrow_jax.models.config import get_config  # noqa: E402
 from sparrow_jax.models.decoder import forward, init_model  # noqa: E402
-from sparrow_jax.rl import checkpointing, memory  # noqa: E402
-from sparrow_jax.rl import sharding as sh  # noqa: E402
+from sparrow_jax.run import checkpointing, memory  # noqa: E402
+from sparrow_jax.run import sharding as sh  # noqa: E402
 
 
 def _loss(graphdef, state, tokens):

@@ -25,7 +25,7 @@ import shutil
 import time
 from typing import Any, Callable, Mapping
 
-from sparrow_jax.rl.config import TrainConfig, config_from_dict
+from sparrow_jax.run.config import TrainConfig, config_from_dict
 
 RUN_OUTPUTS = ("checkpoints", "checkpoints.damaged", "metrics.jsonl", "samples.jsonl",
                "summary.json", "training.png", "config.json", "config_changes.jsonl", "tb",
@@ -184,8 +184,8 @@ def load_run_policy(out_dir: str, *, lora: bool = False,
   from flax import nnx
 
   from sparrow_jax.models import lora as lora_lib
-  from sparrow_jax.rl.checkpointing import Checkpointer
-  from sparrow_jax.rl.builders import build_model, build_schedule
+  from sparrow_jax.run.checkpointing import Checkpointer
+  from sparrow_jax.run.builders import build_model, build_schedule
   from sparrow_jax.schedule.schedule import SparsitySchedule
 
   cfg = run_config(out_dir)

@@ -42,21 +42,21 @@ from flax import nnx
 from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import grpo, rewards as rewards_lib
-from sparrow_jax.rl import sharding as sh
-from sparrow_jax.rl.checkpointing import Checkpointer
+from sparrow_jax.run import sharding as sh
+from sparrow_jax.run.checkpointing import Checkpointer
 from sparrow_jax.models import lora as lora_lib
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import distill as distill_lib
-from sparrow_jax.rl import fit_hooks
+from sparrow_jax.run import fit_hooks
 from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig, tempered_topk_logprobs
 from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
-from sparrow_jax.rl.config import TrainConfig
-from sparrow_jax.rl.builders import (  # noqa: F401  (re-exported)
+from sparrow_jax.run.config import TrainConfig
+from sparrow_jax.run.builders import (  # noqa: F401  (re-exported)
     Preflight, _bucket, _frac_zero_var, _guarded_apply, build_examples, build_model,
     build_schedule, encode_prompt, fit_prompts, make_optimizer, preflight, smollm2_gguf_path)
-from sparrow_jax.rl.dry_run import plan_for_model
+from sparrow_jax.run.dry_run import plan_for_model
 from sparrow_jax.rl.logprobs import token_logprobs
-from sparrow_jax.rl.metrics import MetricsLogger
+from sparrow_jax.run.metrics import MetricsLogger
 from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
 from sparrow_jax.engine.sampling import SamplingParams
 from sparrow_jax.rl.tokenizers import ByteTokenizer

@@ -5,9 +5,9 @@ import json
 import numpy as np
 
 import experiments.eval as eval_cli
-from sparrow_jax.rl.config import get_train_config
-from sparrow_jax.rl.evaluate import evaluate
-from sparrow_jax.rl.trainer import Trainer
+from sparrow_jax.run.config import get_train_config
+from sparrow_jax.run.evaluate import evaluate
+from sparrow_jax.run.trainer import Trainer
 
 SMALL = ["warmstart_steps=40", "num_slots=16", "tensorboard=false", "distill=true"]
 
@@ -81,7 +81,7 @@ def test_eval_checkpoint_reads_weights_not_the_data_position(tmp_path, capsys):
 
 def test_held_out_set_is_disjoint_from_the_tiny_training_draw():
   import experiments.data.make_arith_eval as gen
-  from sparrow_jax.rl.trainer import build_examples
+  from sparrow_jax.run.trainer import build_examples
   with open(gen.PATH) as f:
     text = f.read()
   assert text == "".join(gen.held_out_lines())  # the shipped file is what the generator writes

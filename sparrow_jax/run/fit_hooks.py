@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from sparrow_jax.run.evaluate import evaluate
+
 
 class StopSignals:
   """Context manager owning SIGINT/SIGTERM while training (main thread only; inert in other
@@ -64,8 +66,6 @@ def validation_metrics(trainer) -> dict[str, Any]:
   step = trainer.step
   if not (step == cfg.num_steps or (cfg.val_every and step % cfg.val_every == 0)):
     return {}
-  from sparrow_jax.rl.evaluate import evaluate  # evaluate imports the trainer module
-
   t0 = time.perf_counter()
   res = evaluate(trainer, trainer.val_examples, k=cfg.val_k, mode=trainer.rollout_mode(),
                  temperature=cfg.temperature, top_p=cfg.top_p)

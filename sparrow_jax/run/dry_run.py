@@ -16,9 +16,9 @@ import sys
 import jax
 
 from sparrow_jax.models.config import get_config
-from sparrow_jax.rl import sharding as sh
-from sparrow_jax.rl.config import TrainConfig
-from sparrow_jax.rl.memory import plan_memory
+from sparrow_jax.run import sharding as sh
+from sparrow_jax.run.config import TrainConfig
+from sparrow_jax.run.memory import plan_memory
 
 
 def memory_plan(cfg: TrainConfig, num_devices: int, *, mean_response_len: int | None = None):

@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from sparrow_jax.rl.config import get_train_config
-from sparrow_jax.rl.metrics import MetricsLogger, read_jsonl
-from sparrow_jax.rl.trainer import Trainer
+from sparrow_jax.run.config import get_train_config
+from sparrow_jax.run.metrics import MetricsLogger, read_jsonl
+from sparrow_jax.run.trainer import Trainer
 
 SMALL = ["warmstart_steps=5", "prompts_per_step=4", "group_size=4", "num_slots=16"]
 
