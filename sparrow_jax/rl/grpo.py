@@ -21,10 +21,11 @@ Aggregation of a per-token loss l[b, t] with mask m[b, t] (`aggregate_loss`):
   token-mean               sum(l m) / sum(m)                        (DAPO token-level)
   seq-mean-token-mean      mean_b [ sum_t(l m) / sum_t(m) ]          (original GRPO)
   seq-mean-token-sum       mean_b [ sum_t(l m) ]                     (sum over tokens)
-  seq-mean-token-sum-norm  mean_b [ sum_t(l m) / norm_len ]          (Dr.GRPO, constant norm)
+  seq-mean-token-sum-norm  sum_b [ sum_t(l m) ] / norm_len            (Dr.GRPO, constant norm)
 The sequence means run over rows with at least one valid token, so rows that are all padding
-(static-shape batches) do not dilute the loss. Note verl's seq-mean-token-sum-norm divides the
-batch *sum* by T; ours is the batch *mean*, i.e. smaller by the constant B.
+(static-shape batches) do not dilute the loss. seq-mean-token-sum-norm is verl's: the batch's
+*sum* of sequence sums over the constant horizon (Dr.GRPO's 1/(G L_max) up to the constant
+batch size), not a mean over sequences.
 
 Micro-batches (gradient accumulation): the denominators sum(m) and the number of valid rows are
 those of the whole mini-batch (`loss_denominators`), passed to every micro-batch as
@@ -161,12 +162,12 @@ def aggregate_loss(per_token: jax.Array, mask: jax.Array, mode: str = "token-mea
     seq = jnp.sum(x, axis=-1) / jnp.maximum(tokens, 1.0)  # [B]
   elif mode == "seq-mean-token-sum":
     seq = jnp.sum(x, axis=-1)  # [B]
-  else:
+  else:  # verl's seq-mean-token-sum-norm: no division by the number of sequences
     if norm_len is None:
       norm_len = per_token.shape[-1]
     if not norm_len > 0:
       raise ValueError(f"aggregate_loss: norm_len={norm_len!r}; expected > 0")
-    seq = jnp.sum(x, axis=-1) / float(norm_len)  # [B]
+    return jnp.sum(x) / float(norm_len)
   valid = (tokens > 0).astype(jnp.float32)  # [B]
   denom = jnp.sum(valid) if num_seqs is None else _f32(num_seqs)
   return jnp.sum(seq * valid) / jnp.maximum(denom, 1.0)

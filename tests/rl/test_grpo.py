@@ -31,8 +31,8 @@ def _np_aggregate(per_token, mask, mode, norm_len=None):
     seq = x.sum(-1) / np.maximum(tok, 1.0)
   elif mode == "seq-mean-token-sum":
     seq = x.sum(-1)
-  else:
-    seq = x.sum(-1) / (norm_len or per_token.shape[-1])
+  else:  # verl: the batch's token sum over a constant horizon, no mean over sequences
+    return x.sum() / (norm_len or per_token.shape[-1])
   valid = tok > 0
   return seq[valid].sum() / max(valid.sum(), 1)
 
@@ -94,8 +94,8 @@ class AggregateTest(chex.TestCase):
       ("token_mean", "token-mean", None, 17.0 / 5.0),  # (1+2+3+5+6) / 5 tokens
       ("seq_mean_token_mean", "seq-mean-token-mean", None, (6.0 / 3 + 11.0 / 2) / 2),
       ("seq_mean_token_sum", "seq-mean-token-sum", None, (6.0 + 11.0) / 2),
-      ("dr_grpo_default_T", "seq-mean-token-sum-norm", None, (6.0 / 4 + 11.0 / 4) / 2),
-      ("dr_grpo_norm_8", "seq-mean-token-sum-norm", 8, (6.0 / 8 + 11.0 / 8) / 2),
+      ("dr_grpo_default_T", "seq-mean-token-sum-norm", None, (6.0 + 11.0) / 4),
+      ("dr_grpo_norm_8", "seq-mean-token-sum-norm", 8, (6.0 + 11.0) / 8),
   )
   def test_modes_hand_values(self, mode, norm_len, want):
     got = self.variant(lambda x, m: grpo.aggregate_loss(x, m, mode, norm_len))(PER_TOKEN, MASK)
@@ -189,7 +189,7 @@ class PPOTest(chex.TestCase):
   def test_aggregations_in_loss(self, mode):
     # rho = 1 everywhere; A per sequence [1, -2]; row 0 has 3 tokens, row 1 has 1 (T = 4).
     want = {"token-mean": (-3.0 + 2.0) / 4, "seq-mean-token-mean": (-1.0 + 2.0) / 2,
-            "seq-mean-token-sum-norm": (-3.0 / 4 + 2.0 / 4) / 2}[mode]
+            "seq-mean-token-sum-norm": (-3.0 + 2.0) / 4}[mode]
     lp = jnp.full((2, 4), -1.3)
     mask = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0]], jnp.float32)
     f = self.variant(lambda lp: grpo.ppo_clip_loss(lp, lp, jnp.array([1.0, -2.0]), mask,
