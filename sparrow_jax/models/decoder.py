@@ -237,9 +237,9 @@ class Decoder(nnx.Module):
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
     x = self.embed(tokens)
-    for i, layer in enumerate(self.layers):
+    for group in self._layer_groups(attention):
 
-      def block(layer_state, x, ll, i=i, graphdef=nnx.graphdef(layer)):
+      def block(layer_state, x, ll, i=group[0], graphdef=nnx.graphdef(self.layers[group[0]])):
         layer = nnx.merge(graphdef, layer_state)
         h = layer.input_norm(x)
         q, k, v = layer.attn.qkv(h, positions, ll)
@@ -250,8 +250,39 @@ class Decoder(nnx.Module):
         return x + layer.mlp(layer.post_attn_norm(x), ll)
 
       fn = jax.checkpoint(block) if remat else block
-      x = fn(nnx.state(layer), x, self._layer_lora(lora, i))
+      if len(group) == 1:
+        x = fn(nnx.state(self.layers[group[0]]), x, self._layer_lora(lora, group[0]))
+        continue
+      # A scan over the group's layers, weights stacked in the compute dtype (every layer
+      # casts them to it anyway, so the values are the same). Under `remat` the backward
+      # recomputes one layer per iteration and keeps only each layer's input: in an
+      # unrolled loop XLA:CPU merges the recomputation with the forward (its optimization
+      # barriers are gone by then) and keeps every layer's activations. It also compiles
+      # one layer instead of all of them.
+      stacked = jax.tree.map(lambda *a: jnp.stack([self._compute_cast(v) for v in a]),
+                             *[nnx.state(self.layers[i]) for i in group])
+      stacked_lora = None
+      if lora is not None:
+        stacked_lora = jax.tree.map(lambda *a: jnp.stack(a),
+                                    *[self._layer_lora(lora, i) for i in group])
+      x, _ = jax.lax.scan(lambda x, xs: (fn(xs[0], x, xs[1]), None), x,
+                          (stacked, stacked_lora))
     return x
+
+  def _compute_cast(self, w):
+    return (w.astype(self.dtype) if jnp.issubdtype(w.dtype, jnp.floating)
+            and w.dtype.itemsize > jnp.dtype(self.dtype).itemsize else w)
+
+  def _layer_groups(self, attention) -> list[list[int]]:
+    """Consecutive layers that attend alike (dense / block-sparse), scanned together."""
+    groups: list[list[int]] = []
+    for i in range(self.cfg.num_layers):
+      sparse = attn_lib.is_sparse_layer(attention, i)
+      if groups and attn_lib.is_sparse_layer(attention, groups[-1][0]) == sparse:
+        groups[-1].append(i)
+      else:
+        groups.append([i])
+    return groups
 
   def __call__(self, tokens, **kw):
     """Causal forward of whole sequences: float32 logits `[B, T, V]`.
