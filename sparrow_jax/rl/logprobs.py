@@ -2,7 +2,10 @@
 
 The LM head is applied chunk by chunk over time under `jax.checkpoint`, so neither the forward
 nor the backward pass ever holds `[B, T, V]` float32 logits: with Qwen3's 151,936-token
-vocabulary and 8K-token responses those would be tens of GB.
+vocabulary and 8K-token responses those would be tens of GB. `chunk` counts tokens (rows x
+positions): a chunk covers `chunk // B` positions of all B rows (a power of two, at least 1),
+so the logits of one chunk stay `[chunk, V]` whether a micro-batch holds two long rows or
+hundreds of short ones.
 
 Convention: `logp[b, t] = log p(tokens[b, t] | tokens[b, :t])` for t ≥ 1 and 0 at t = 0, so a
 response mask over token positions applies to log-probs directly.
@@ -34,13 +37,23 @@ jax.tree_util.register_dataclass(TokenStats, data_fields=["logp", "entropy", "to
                                                           "topk_logp"], meta_fields=[])
 
 
+def time_chunk(chunk_tokens: int, rows: int, seq_len: int) -> int:
+  """Positions per LM-head chunk: the largest power of two <= chunk_tokens / rows (at least
+  1), capped at the sequence length."""
+  if not isinstance(chunk_tokens, int) or chunk_tokens < 1:
+    raise ValueError(f"logits_to_stats: chunk={chunk_tokens!r}; expected a positive int")
+  per_row = max(1, chunk_tokens // max(rows, 1))
+  return min(1 << (per_row.bit_length() - 1), seq_len)
+
+
 def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: int = 0,
                     with_entropy: bool = False, temperature: float = 1.0) -> TokenStats:
   """Stats from final hidden states `[B, T, D]` (pre final norm) and tokens `[B, T]`, of
-  softmax(logits / temperature)."""
+  softmax(logits / temperature); the LM head runs over about `chunk` tokens at a time."""
   if not temperature > 0:
     raise ValueError(f"logits_to_stats: temperature={temperature!r}; expected > 0")
   b, t, d = hidden.shape
+  chunk = time_chunk(chunk, b, t)
   # Position t predicts token t + 1: shift targets left; the last position predicts nothing.
   targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
   nc = -(-t // chunk)
