@@ -1,12 +1,20 @@
 """DistillSparse (paper §4.5, Algorithm 1 step 7): a LoRA-only update of the sparse actor.
 
-After the GRPO update of a step, the sparse actor q = (policy theta, sparse attention, LoRA phi)
-is pulled toward the dense policy p on the step's own rollout tokens, through the
-teacher-forced block-sparse forward (`Decoder.__call__(attention=BlockSparse(...))`, which at
-position t selects pages exactly as decode did at step t). The teacher log-probs are the old
-dense log-probs the GRPO update already computed, so distillation costs one sparse forward and
-backward. Gradients flow into phi only: theta enters as a non-differentiated argument
-(`stop_gradient`), and the dense recompute / GRPO update never receive phi.
+The sparse actor q = (policy theta, sparse attention, LoRA phi) is pulled toward the dense
+policy p on the step's own rollout tokens, through the teacher-forced block-sparse forward
+(`Decoder.__call__(attention=BlockSparse(...))`, which at position t selects pages exactly as
+decode did at step t). The teacher log-probs are the old dense log-probs the GRPO step computes
+anyway, so distillation costs one sparse forward and backward. Gradients flow into phi only:
+theta enters as a non-differentiated argument (`stop_gradient`), and the dense recompute / GRPO
+update never receive phi.
+
+When: the trainer distils *before* the GRPO update of the step, so teacher and student share
+the policy theta_k that generated the rollout (teacher dense(theta_k), student sparse(theta_k)
++ phi). The authors' release distils after the update against the same pre-update teacher,
+i.e. student sparse(theta_k+1) + phi against dense(theta_k): the LoRA then also learns to undo
+the policy step. Distilling first costs nothing extra (the teacher is the recompute's output)
+and keeps the objective exactly the mismatch the next rollout's LoRA should remove, up to the
+one policy step that every on-policy correction lags by.
 
 Symbols and names:
   q_t, p_t        sparse+LoRA and dense next-token distributions of token t.
@@ -111,7 +119,8 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
                  prompt_lengths=None, lengths=None, kind: str = "k3", coef: float = 1.0,
                  pg_coef: float = 0.0, advantages=None, rollout_logp=None,
                  tis_cap: float | None = 2.0, dense_logits=None, temperature: float = 1.0,
-                 logprob_chunk: int = 128) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 logprob_chunk: int = 128, num_tokens=None,
+                 remat: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
   """DistillSparse loss of the LoRA tree `lora` -> (scalar loss, metrics).
 
   Args:
@@ -132,6 +141,10 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
     logprob_chunk: with kind "k3" the LM head runs in chunks of this many positions under
       `jax.checkpoint` (`rl/logprobs.py`), so [B, T, V] logits never exist; "reverse_kl_full"
       materialises the sparse logits [B, T, V].
+    num_tokens: the token count of the whole batch when this is one of its micro-batches
+      (the token means then divide by it, so micro-batch losses and gradients sum to the
+      one-piece ones); None = this batch's own count.
+    remat: recompute each layer in the backward pass (long sequences).
   """
   _check_kind(kind)
   if tokens.ndim != 2 or mask.shape != tokens.shape or old_dense_logp.shape != tokens.shape:
@@ -143,7 +156,8 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
   state = jax.lax.stop_gradient(state)
   model = nnx.merge(graphdef, state)
   hidden = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
-                               prompt_lengths=prompt_lengths, lora=lora)  # [B, T, D]
+                               prompt_lengths=prompt_lengths, lora=lora,
+                               remat=remat)  # [B, T, D]
   if kind == "reverse_kl_full":
     logits = model.logits(hidden)  # [B, T, V] float32
     logp = logprobs_from_logits(logits, tokens, temperature)  # [B, T]
@@ -155,17 +169,18 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
   # Masked entries may hold anything: replace them so that no NaN reaches the gradient.
   ref = jnp.where(valid, jnp.asarray(old_dense_logp, jnp.float32), jax.lax.stop_gradient(logp))
   k3 = grpo.kl_penalty(logp, ref, "low_var_kl")  # [B, T]
-  metrics = {"k3": jax.lax.stop_gradient(grpo.aggregate_loss(k3, m, "token-mean")),
+  mean = lambda x: grpo.aggregate_loss(x, m, "token-mean", num_tokens=num_tokens)
+  metrics = {"k3": jax.lax.stop_gradient(mean(k3)),
              "logp_gap": grpo.masked_mean(jax.lax.stop_gradient(ref - logp), m),
              "num_tokens": jnp.sum(m)}
   if kind == "reverse_kl_full":
     if dense_logits is None:
       dense_logits = dense_logits_of(graphdef, state, tokens, lengths=lengths)
     per_tok = full_reverse_kl(logits, dense_logits, temperature)  # [B, T]
-    kl = grpo.aggregate_loss(per_tok, m, "token-mean")
+    kl = mean(per_tok)
     metrics["reverse_kl_full"] = jax.lax.stop_gradient(kl)
   else:
-    kl = grpo.aggregate_loss(k3, m, "token-mean")
+    kl = mean(k3)
   loss = coef * kl
   if pg_coef > 0:
     adv = jax.lax.stop_gradient(jnp.asarray(advantages, jnp.float32))
@@ -178,7 +193,7 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
                              _LOG_RATIO_CLAMP))
     rho = jax.lax.stop_gradient(rho)
     w = rho if tis_cap is None else jnp.minimum(rho, tis_cap)
-    pg = grpo.aggregate_loss(-adv * w * logp, m, "token-mean")
+    pg = mean(-adv * w * logp)
     loss = loss + pg_coef * pg
     metrics.update(pg_loss=jax.lax.stop_gradient(pg), is_ratio_mean=grpo.masked_mean(rho, m),
                    is_frac_truncated=grpo.masked_mean(
@@ -236,6 +251,25 @@ def default_optimizer(learning_rate: float = 1e-4, *, max_grad_norm: float | Non
   tx = optax.adamw(learning_rate, weight_decay=weight_decay)
   return tx if max_grad_norm is None else optax.chain(optax.clip_by_global_norm(max_grad_norm),
                                                       tx)
+
+
+_SUM_METRICS = ("loss", "k3", "pg_loss", "reverse_kl_full", "num_tokens")
+
+
+def combine_micro_metrics(per_micro) -> dict[str, float]:
+  """Batch metrics of `distill_loss` from per-micro-batch ones (host dicts of scalars,
+  computed with the batch's `num_tokens`): sums for the token means and the token count,
+  token-weighted means for the rest (masked means over each micro-batch's own tokens)."""
+  per_micro = list(per_micro)
+  if not per_micro:
+    return {}
+  n = [float(m["num_tokens"]) for m in per_micro]
+  total = max(sum(n), 1.0)
+  out = {}
+  for k in per_micro[0]:
+    vals = [float(m[k]) for m in per_micro]
+    out[k] = sum(vals) if k in _SUM_METRICS else sum(v * w for v, w in zip(vals, n)) / total
+  return out
 
 
 BATCH_KEYS = ("tokens", "mask", "old_logp", "budgets", "prompt_lengths", "lengths",

@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.models import attention as attn_lib
+from sparrow_jax.rl.logprobs import time_chunk
 from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
 from sparrow_jax.schedule import mismatch
 from sparrow_jax.schedule.schedule import attention_spec, SparsitySchedule, max_budget
@@ -142,7 +143,9 @@ def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths
   sparse = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
                                prompt_lengths=prompt_lengths, lora=lora)  # [B, T, D]
   b, t, d = dense.shape
-  # The LM head runs `chunk` positions at a time, so [B, T, V] logits never exist.
+  # The LM head runs about `chunk` tokens (rows x positions) at a time, so [B, T, V] logits
+  # never exist.
+  chunk = time_chunk(chunk, b, t)
   nc = -(-t // chunk)
   split = lambda h: jnp.pad(h, ((0, 0), (0, nc * chunk - t), (0, 0))).reshape(
       b, nc, chunk, d).swapaxes(0, 1)  # [nc, B, chunk, D]
@@ -183,7 +186,7 @@ def probe_alpha(graphdef, state, lora, tokens, schedule: SparsitySchedule, *,
   budgets = teacher_forced_budgets(as_schedule(schedule), t, b)
   return np.asarray(_probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths,
                                  lengths, jnp.float32(temperature), attention=attention,
-                                 chunk=min(int(chunk), t)))
+                                 chunk=int(chunk)))
 
 
 def probe_tail_alpha(graphdef, state, lora, tokens, mask, prompt_lengths, schedule, *,
@@ -202,6 +205,14 @@ def probe_tail_alpha(graphdef, state, lora, tokens, mask, prompt_lengths, schedu
   alpha = probe_alpha(graphdef, state, lora, tokens, schedule, prompt_lengths=prompt_lengths,
                       lengths=lengths, attention=attention, temperature=temperature,
                       chunk=chunk)
+  return alpha_tail(alpha, mask, quantile=quantile, bin_size=bin_size, min_count=min_count)
+
+
+def alpha_tail(alpha, mask, *, quantile: float = 5.0, bin_size: int | None = None,
+               min_count: int = 1) -> float:
+  """The tail statistic of `probe_tail_alpha` from per-token alpha [B, T] (host or device)
+  and the mask of the tokens to count (entry 0 never counts: no prediction)."""
+  alpha = np.asarray(alpha)
   m = np.array(mask) > 0
   m[:, 0] = False
   if bin_size is None:

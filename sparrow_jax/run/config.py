@@ -73,6 +73,16 @@ class TrainConfig:
   ppo_epochs: int = 1
   mini_batch_size: int = 0  # sequences per optimizer update; 0 = the whole batch
   micro_batch_size: int = 0  # sequences per forward/backward (gradient accumulation); 0 = mini
+  logprob_micro_batch_size: int = 0  # sequences per no-grad forward (recompute, probe); 0 = micro
+  # Length-grouped micro-batches by a per-device token budget (verl's use_dynamic_bsz /
+  # ppo_max_token_len_per_gpu): rollouts sorted by length, packed into micro-batches of at
+  # most this many padded tokens per device, each padded to its own length bucket. 0 = off
+  # (micro-batches of micro_batch_size rows, still length-sorted and bucketed).
+  max_tokens_per_micro_batch: int = 0
+  logprob_max_tokens_per_micro_batch: int = 0  # the no-grad phases' budget; 0 = the above
+  length_buckets_per_octave: int = 8  # padded lengths per power of two (compiled shapes)
+  skip_redundant_recompute: bool = True  # one optimizer step per batch: reuse its forward
+  release_kv_cache: bool = True  # free the rollout's KV pool while the trainer runs
   remat: bool = False  # recompute each layer in the backward pass (long sequences)
   eps_low: float = 0.2
   eps_high: float = 0.28
@@ -154,7 +164,8 @@ class TrainConfig:
       if not isinstance(v, int) or v < 1:
         raise ValueError(f"{f}={v!r}: expected a positive integer")
     for f in ("num_steps", "warmup_steps", "warmstart_steps", "save_every", "mini_batch_size",
-              "micro_batch_size", "overlong_buffer", "distill_warmup_steps",
+              "micro_batch_size", "logprob_micro_batch_size", "max_tokens_per_micro_batch",
+              "logprob_max_tokens_per_micro_batch", "overlong_buffer", "distill_warmup_steps",
               "max_refill_rounds", "distill_pg_coef", "sample_every", "val_every",
               "val_max_prompts"):
       if getattr(self, f) < 0:
@@ -167,6 +178,15 @@ class TrainConfig:
     if self.micro_batch_size and self.mini_batch % self.micro_batch_size:
       raise ValueError(f"micro_batch_size={self.micro_batch_size} must divide the mini-batch "
                        f"of {self.mini_batch} sequences")
+    seq = self.max_prompt_len + self.max_new_tokens
+    for f in ("max_tokens_per_micro_batch", "logprob_max_tokens_per_micro_batch"):
+      v = getattr(self, f)
+      if v and v < seq:
+        raise ValueError(f"{f}={v}: expected 0 (off) or at least max_prompt_len + "
+                         f"max_new_tokens = {seq} tokens (one sequence of the maximum length)")
+    if self.length_buckets_per_octave not in (1, 2, 4, 8, 16, 32):
+      raise ValueError(f"length_buckets_per_octave={self.length_buckets_per_octave!r}: "
+                       "expected one of 1, 2, 4, 8, 16, 32")
     for f in ("lr", "warmstart_lr", "distill_lr"):
       if not getattr(self, f) > 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected > 0")
@@ -246,6 +266,17 @@ class TrainConfig:
   @property
   def micro_batch(self) -> int:
     return self.micro_batch_size or self.mini_batch
+
+  @property
+  def skips_recompute(self) -> bool:
+    """The dense recompute is redundant: one optimizer step per rollout batch (one epoch,
+    one mini-batch), so the old log-probs equal the update's own forward under
+    stop_gradient (verl skips it too). It is kept when something needs the old log-probs
+    before the update: DistillSparse's teacher, or the TIS mask that shapes the loss's
+    denominators."""
+    return (self.skip_redundant_recompute and self.ppo_epochs == 1
+            and self.mini_batch == self.batch_size and not self.distill
+            and self.tis_mask_threshold is None)
 
   def replace(self, **kw) -> "TrainConfig":
     return dataclasses.replace(self, **kw)

@@ -15,7 +15,6 @@ from sparrow_jax.rl import rewards as rewards_lib
 from sparrow_jax.rl.eval_metrics import eval_summary, trace_confidence, weighted_maj_at_k
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams
-from sparrow_jax.rl.switching import probe_tail_alpha
 from sparrow_jax.run.builders import encode_prompt
 
 MODES = ("dense", "sparse", "sparse_lora")
@@ -105,9 +104,6 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   out["eval/response_len_mean"] = float(np.mean([len(c.token_ids) for c in comps]))
   out["eval/verifier_errors"] = res.num_errors + res.num_timeouts
   if mode != "dense":
-    batch = trainer.make_batch(comps)
-    out["eval/alpha_p5"] = probe_tail_alpha(
-        trainer.graphdef, trainer.params, lora, jnp.asarray(batch["tokens"]),
-        jnp.asarray(batch["mask"]), jnp.asarray(batch["prompt_lens"]), trainer.schedule,
-        lengths=jnp.asarray(batch["lengths"]))
+    batch = trainer.make_batch(comps)  # micro-batched like the trainer's probe
+    out["eval/alpha_p5"] = trainer.tail_alpha(batch, trainer.schedule, lora, batch["mask"])
   return out

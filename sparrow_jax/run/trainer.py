@@ -48,11 +48,15 @@ from sparrow_jax.models import lora as lora_lib
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.run import fit_hooks
-from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig, tempered_topk_logprobs
-from sparrow_jax.rl.switching import ScheduleLadder, probe_tail_alpha
+from sparrow_jax.run import microbatch as mb_lib
+from sparrow_jax.run import stages
+from sparrow_jax.run.programs import build_programs
+from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig
+from sparrow_jax.rl.switching import (ScheduleLadder, _probe_alpha as probe_alpha_program,
+                                      alpha_tail, attention_for)
 from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.run.builders import (  # noqa: F401  (re-exported)
-    Preflight, _bucket, _frac_zero_var, _guarded_apply, build_examples, build_model,
+    Preflight, _bucket, _guarded_apply, build_examples, build_model,
     build_schedule, encode_prompt, fit_prompts, make_optimizer, preflight, smollm2_gguf_path)
 from sparrow_jax.run.dry_run import plan_for_model
 from sparrow_jax.rl.logprobs import token_logprobs
@@ -127,6 +131,17 @@ class Trainer:
         mesh=self.mesh)
     self.tx, self.lr_schedule = make_optimizer(cfg)
     self.opt_state = jax.jit(self.tx.init)(self.params)
+    # Micro-batches are split over the batch axes (data x fsdp): rows come in multiples.
+    self.batch_divisor = sh.batch_divisor(self.mesh)
+    self.update_rows = cfg.micro_batch
+    self.logprob_rows = cfg.logprob_micro_batch_size or cfg.micro_batch
+    for key, rows in (("micro_batch_size", self.update_rows),
+                      ("logprob_micro_batch_size", self.logprob_rows)):
+      if not (cfg.max_tokens_per_micro_batch or cfg.logprob_max_tokens_per_micro_batch) \
+          and rows % self.batch_divisor:
+        raise ValueError(f"{key}={rows}: micro-batches are split over data x fsdp = "
+                         f"{self.batch_divisor} devices (mesh={cfg.mesh!r}); expected a "
+                         "multiple of it")
     examples = checked.examples
     self.examples = fit_prompts(self.tokenizer, examples, cfg, "data")
     self.num_dropped_prompts = len(examples) - len(self.examples)
@@ -170,13 +185,13 @@ class Trainer:
     if cfg.distill:
       lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                  targets=cfg.lora_targets)
-      self.lora = lora_lib.init_lora(self.model_cfg, lcfg, jax.random.PRNGKey(cfg.seed + 7))
+      lora = lora_lib.init_lora(self.model_cfg, lcfg, jax.random.PRNGKey(cfg.seed + 7))
+      self.lora = sh.shard_tree(lora, sh.param_shardings(lora, self.mesh))
       lr = (optax.linear_schedule(cfg.distill_lr / cfg.distill_warmup_steps, cfg.distill_lr,
                                   cfg.distill_warmup_steps)
             if cfg.distill_warmup_steps else cfg.distill_lr)
       self.lora_tx = distill_lib.default_optimizer(lr)
-      self.lora_opt_state = self.lora_tx.init(self.lora)
-      self._build_distill()
+      self.lora_opt_state = jax.jit(self.lora_tx.init)(self.lora)
     # Without a dataset this trainer only reads a run (which may still be training).
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
@@ -188,99 +203,76 @@ class Trainer:
       self.arrol = arrol_lib.ArrolPruner(cfg.arrol_config(), self.model_cfg.hidden_size,
                                          seed=cfg.seed + 11)
       self.arrol_stop_ids = arrol_lib.stop_token_ids(self.tokenizer)
-    self._build_jitted()
+    self._build_programs()
 
-  # --- jitted functions ------------------------------------------------------------------
-  def _build_jitted(self):
+  # --- jitted programs and the micro-batch driver ----------------------------------------
+  def _build_programs(self):
     cfg = self.cfg
-    graphdef = self.graphdef
-    loss_cfg = grpo.GRPOLossConfig(
+    self.loss_cfg = grpo.GRPOLossConfig(
         eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
         agg=cfg.loss_agg, norm_len=cfg.max_new_tokens if cfg.loss_agg.endswith("norm") else None,
         kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coeff=cfg.entropy_coeff,
         tis_cap=cfg.tis_cap, tis_mask_threshold=cfg.tis_mask_threshold)
-    self.loss_cfg = loss_cfg
-    chunk = cfg.logprob_chunk
-    topk = cfg.monitor_topk
+    dcfg = None
+    if cfg.distill:
+      dcfg = distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
+                                       pg_coef=cfg.distill_pg_coef,
+                                       tis_cap=cfg.distill_pg_clip,
+                                       temperature=self.temperature,
+                                       logprob_chunk=cfg.logprob_chunk)
+    count = self.programs.count if getattr(self, "programs", None) is not None else None
+    self.programs = build_programs(
+        self.graphdef, cfg, loss_cfg=self.loss_cfg, tx=self.tx, temperature=self.temperature,
+        skip_recompute=cfg.skips_recompute, attention=self.attention,
+        lora_tx=getattr(self, "lora_tx", None), dcfg=dcfg)
+    if count is not None:  # a schedule switch rebuilds the programs: keep counting
+      self.programs.count = count
 
-    temp = self.temperature
+  def _place(self, inputs: dict) -> dict:
+    return sh.shard_batch(inputs, self.mesh)
 
-    def recompute(params, ref_params, tokens, lengths):
-      self.compilations += 1
-      model = nnx.merge(graphdef, params)
-      stats = token_logprobs(model, tokens, lengths=lengths, chunk=chunk, topk=topk,
-                             temperature=temp)
-      ref = None
-      if ref_params is not None:
-        ref = token_logprobs(nnx.merge(graphdef, ref_params), tokens, lengths=lengths,
-                             chunk=chunk, temperature=temp).logp
-      return stats.logp, stats.topk_ids, stats.topk_logp, ref
-
-    micro = cfg.micro_batch if cfg.micro_batch < cfg.mini_batch else None
-
-    def loss_fn(p, mb, den):
-      model = nnx.merge(graphdef, p)
-      st = token_logprobs(model, mb["tokens"], lengths=mb["lengths"], chunk=chunk,
-                          with_entropy=cfg.entropy_coeff > 0, remat=cfg.remat,
-                          temperature=temp)
-      return grpo.grpo_loss(st.logp, mb["old_logp"], mb["advantages"], mb["mask"], loss_cfg,
-                            ref_logp=mb.get("ref_logp"), rollout_logp=mb.get("rollout_logp"),
-                            entropy=st.entropy, **den)
-
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-
-    def mini_batch_grads(params, batch):
-      """(loss, metrics, grads) of one mini-batch, accumulated over its micro-batches.
-
-      Every micro-batch divides by the token / sequence counts of the whole mini-batch and the
-      pieces are summed, so the result equals the mini-batch in one piece (verl's token-mean);
-      a micro-batch without valid tokens adds exactly zero.
-      """
-      den = grpo.loss_denominators(grpo.loss_mask(
-          batch["mask"], loss_cfg, old_logp=batch["old_logp"],
-          rollout_logp=batch.get("rollout_logp")))
-      # Micro-batches of `micro_batch` rows (a mini-batch of ARRoL survivors may be shorter).
-      n_micro = 1 if micro is None else batch["tokens"].shape[0] // micro
-      if n_micro == 1:
-        (loss, metrics), grads = grad_fn(params, batch, den)
-        return loss, metrics, grads
-      split = jax.tree.map(lambda x: x.reshape(n_micro, -1, *x.shape[1:]), batch)
-      zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), params)
-
-      def body(acc, mb):
-        (loss, metrics), grads = grad_fn(params, mb, den)
-        n_in = jnp.sum(mb["mask"].astype(jnp.float32))
-        return jax.tree.map(jnp.add, acc, grads), (loss, metrics, n_in)
-
-      grads, (losses, per_micro, n_in) = jax.lax.scan(body, zeros, split)
-      return jnp.sum(losses), grpo.combine_micro_metrics(per_micro, n_in), grads
-
-    def update(params, opt_state, batch):
-      """One optimizer step on a mini-batch (gradients summed over its micro-batches)."""
-      self.compilations += 1
-      loss, metrics, grads = mini_batch_grads(params, batch)
-      params, opt_state, ok, gnorm = _guarded_apply(self.tx, params, opt_state, grads, loss)
-      return params, opt_state, dict(metrics, loss=loss, grad_norm=gnorm, finite=ok)
-
-    self._recompute = jax.jit(recompute)
-    self._grads = jax.jit(mini_batch_grads)  # for tests and diagnostics (no update)
-    self._update = jax.jit(update, donate_argnums=(0, 1))
-
-  def _build_distill(self):
+  def logprob_plan(self, lengths) -> list[mb_lib.MicroBatch]:
+    """Micro-batches of the no-grad phases (recompute, reference, probe, validation)."""
     cfg = self.cfg
-    dcfg = distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
-                                     pg_coef=cfg.distill_pg_coef, tis_cap=cfg.distill_pg_clip,
-                                     temperature=self.temperature,
-                                     logprob_chunk=cfg.logprob_chunk)
-    self._distill_step = distill_lib.make_distill_step(self.graphdef, self.attention,
-                                                       self.lora_tx, dcfg)
+    tokens = cfg.logprob_max_tokens_per_micro_batch or cfg.max_tokens_per_micro_batch
+    if tokens:
+      return mb_lib.plan(lengths, divisor=self.batch_divisor, max_tokens=tokens,
+                         **self._bucketing)
+    return mb_lib.plan(lengths, divisor=self.batch_divisor, max_rows=self.logprob_rows,
+                       **self._bucketing)
+
+  def update_plan(self, lengths) -> list[mb_lib.MicroBatch]:
+    """Micro-batches of one mini-batch of the GRPO update (and of DistillSparse)."""
+    cfg = self.cfg
+    if cfg.max_tokens_per_micro_batch:
+      return mb_lib.plan(lengths, divisor=self.batch_divisor,
+                         max_tokens=cfg.max_tokens_per_micro_batch, **self._bucketing)
+    return mb_lib.plan(lengths, divisor=self.batch_divisor, max_rows=self.update_rows,
+                       **self._bucketing)
+
+  @property
+  def _bucketing(self) -> dict[str, int]:
+    cfg = self.cfg
+    return {"per_octave": cfg.length_buckets_per_octave,
+            "max_length": cfg.max_prompt_len + cfg.max_new_tokens}
+
+  def run_micro(self, fn, arrays, plan, *, keys=None, prepare=None) -> dict[str, np.ndarray]:
+    """`fn` over every micro-batch of `plan`, inputs placed sharded over the batch axes;
+    results as full host arrays (`microbatch.run`)."""
+    return mb_lib.run(fn, arrays, plan, place=self._place, keys=keys, prepare=prepare)
+
+  def engine_release(self) -> None:
+    """Free the engine's KV pool while the trainer runs (rebuilt by the next rollout)."""
+    release = getattr(self.engine, "release", None)
+    if release is not None and self.cfg.release_kv_cache:
+      release()
 
   def _switch_schedule(self, schedule: SparsitySchedule) -> None:
     self.schedule = schedule
     self.attention = attention_spec(schedule, backend=self.cfg.attention_backend)
     self.engine.set_attention(self.attention, None if schedule.is_dense else schedule)
     if self.cfg.distill:
-      self._build_distill()
+      self._build_programs()
 
   # --- supervised warm start -------------------------------------------------------------
   def warmstart(self, logger: MetricsLogger | None = None) -> dict[str, float]:
@@ -396,13 +388,12 @@ class Trainer:
                                            buffer_len=cfg.overlong_buffer)
     return r, res
 
-  def make_batch(self, completions, rows: int | None = None):
-    """Pad prompt+response into `[B, T]` arrays; response tokens carry the mask. `rows` >= B
-    adds padding rows (one token, mask 0)."""
+  def make_batch(self, completions):
+    """Pad prompt+response into `[B, T]` host arrays (T = the longest row); response tokens
+    carry the mask. The micro-batch driver cuts each micro-batch to its own length bucket."""
     k = self.cfg.monitor_topk
     lens = [len(c.prompt_ids) + len(c.token_ids) for c in completions]
-    lens += [1] * ((rows or len(completions)) - len(completions))
-    b, t = len(lens), _bucket(max(lens))
+    b, t = len(lens), max(lens)
     tokens = np.zeros((b, t), np.int32)
     mask = np.zeros((b, t), np.float32)
     rollout_logp = np.zeros((b, t), np.float32)
@@ -473,127 +464,141 @@ class Trainer:
     return [comps[i] for i in index], rewards[index], info
 
   def train_step(self) -> dict[str, Any]:
-    cfg = self.cfg
-    step = self.step + 1
-    t0 = time.perf_counter()
-    rollout_schedule = self.schedule.name  # the ladder may switch at the end of this step
-    comps, rewards, gen = self.generate_groups(step)
-    t_roll = gen["rollout_s"]
-    batch = self.make_batch(comps, rows=self._batch_rows(len(comps)))
-    t1 = time.perf_counter()
-    old_logp, d_ids, d_lp, ref_logp = self._recompute(
-        self.params, self.ref_params, jnp.asarray(batch["tokens"]),
-        jnp.asarray(batch["lengths"]))
-    old_logp = jax.block_until_ready(old_logp)
-    t_recompute = time.perf_counter() - t1
-    g = cfg.group_size
-    rows = batch["tokens"].shape[0]
-    gids = [c.request_id[0] for c in comps]  # each trained rollout's group (prompt) id
-    rho_hat = arrol_lib.rho_hat_stats(rewards, gids)
-    if self.arrol is None:
-      adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards), g,
-                                             normalize_std=cfg.normalize_adv_std))
-      groups = rewards.reshape(-1, g)
-      zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
-    else:  # groups of unequal size once ARRoL pruned some members
-      adv = grpo.ragged_group_advantages(rewards, gids, normalize_std=cfg.normalize_adv_std)
-    adv = np.pad(adv, (0, rows - len(adv)))  # padding rows (mask 0) of a survivor batch
-    response_mask = batch["mask"]  # [B, T]: monitor, DistillSparse, probe (reward-free)
-    mask = response_mask.copy()  # [B, T]: the GRPO loss
-    if cfg.dynamic_sampling:
-      mask *= np.repeat(~zero_var, g)[:, None]
-    # Live mismatch monitor: top-k lower bound of alpha between sparse actor and dense policy.
-    mon = self._monitor(batch, np.asarray(d_ids), np.asarray(d_lp), response_mask)
-    # GRPO update(s): mini-batches over the batch, `ppo_epochs` passes.
-    t2 = time.perf_counter()
-    full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old_logp),
-                advantages=adv.astype(np.float32), mask=mask)
-    if self.loss_cfg.uses_rollout_correction:
-      full["rollout_logp"] = batch["rollout_logp"]
-    if ref_logp is not None:
-      full["ref_logp"] = np.asarray(ref_logp)
-    upd_metrics, all_finite = self.apply_updates(full)
-    t_update = time.perf_counter() - t2
-    self.engine.set_state(self.params)
-    # DistillSparse: LoRA-only update through the sparse teacher-forced forward.
-    dist_metrics = {}
-    if cfg.distill:
-      t3 = time.perf_counter()
-      b, t = batch["tokens"].shape
-      dbatch = dict(tokens=batch["tokens"], mask=response_mask, old_logp=np.asarray(old_logp),
-                    budgets=np.asarray(teacher_forced_budgets(self.schedule, t, b)),
-                    prompt_lengths=batch["prompt_lens"], lengths=batch["lengths"])
-      if cfg.distill_pg_coef > 0:  # the LoRA's own truncated-IS policy gradient
-        dbatch.update(advantages=adv.astype(np.float32), rollout_logp=batch["rollout_logp"])
-      self.lora, self.lora_opt_state, dm = self._distill_step(
-          self.lora, self.lora_opt_state, self.params,
-          sh.shard_batch(dbatch, self.mesh))
-      dist_metrics = {k: float(v) for k, v in jax.device_get(dm).items()}
-      dist_metrics["time/distill_s"] = time.perf_counter() - t3
-    ladder_metrics = self._maybe_switch(step, batch, response_mask)
-    self.step = step
-    self.last_rollout = (gen["examples"], comps, rewards)  # examples aligned with comps
-    self.bad_steps = 0 if all_finite else self.bad_steps + 1
-    all_comps, all_rewards = gen["completions"], gen["rewards"]  # every scored sample
-    resp_lens = np.array([len(c.token_ids) for c in all_comps])
-    gen_tokens = int(resp_lens.sum()) + sum(len(c.token_ids) for c in gen["pruned"])
-    arrol_metrics = self._arrol_update(comps, rewards, gen["pruned"], rho_hat)
-    if self.arrol is None:
-      all_groups = all_rewards.reshape(-1, g)
-      frac_zero_var = float(np.mean(np.all(all_groups == all_groups[:, :1], axis=1)))
-    else:
-      frac_zero_var = _frac_zero_var(all_rewards, [c.request_id[0] for c in all_comps])
-    mean = lambda key: float(np.mean([float(m[key]) for m in upd_metrics]))
-    out = {
-        "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std()),
-        "reward/frac_zero_var_groups": frac_zero_var,
-        # ARRoL's Table 4 statistics for every run: rho_hat = positive fraction of a group.
-        **dict(zip(("reward/rho_hat_mean", "reward/rho_hat_var"), rho_hat)),
-        "reward/verifier_errors": gen["num_errors"],
-        "reward/verifier_timeouts": gen["num_timeouts"],
-        "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),
-        "response/clip_ratio": float(np.mean([c.finish_reason != "stop" for c in all_comps])),
-        "loss/total": mean("loss"), "loss/policy": mean("pg_loss"),
-        "loss/clip_frac_low": mean("clip_frac_low"), "loss/clip_frac_high": mean("clip_frac_high"),
-        "loss/approx_kl": mean("approx_kl"), "grad_norm": mean("grad_norm"),
-        "lr": float(self.lr_schedule(int(jax.device_get(self._opt_count())))),
-        "time/rollout_s": t_roll, "time/reward_s": gen["reward_s"],
-        "time/recompute_s": t_recompute, "time/update_s": t_update,
-        "time/step_s": time.perf_counter() - t0, "rollout/tokens": gen_tokens,
-        "rollout/tokens_per_s": gen_tokens / max(t_roll, 1e-9),
-        **{f"rollout/{k}": v for k, v in gen["engine"].items()},
-        "compilations": self.compilations + self.engine.num_compilations,
-        "skipped_update": not all_finite, "schedule": rollout_schedule,
-    }
-    if cfg.dynamic_sampling:
-      out.update({"dynamic_sampling/rounds": gen["rounds"],
-                  "dynamic_sampling/informative_groups": int((~zero_var).sum()),
-                  "dynamic_sampling/generated_groups": len(all_groups)})
-    for key in ("kl", "entropy", "is_weight_mean", "is_ratio_max", "is_frac_truncated",
-                "is_frac_masked"):
-      if key in upd_metrics[0]:
-        out[f"loss/{key}"] = mean(key)
-    out.update(mon)
-    out.update(dist_metrics)
-    out.update(ladder_metrics)
-    out.update(arrol_metrics)
+    """One RL step: the stages of `run/stages.py`; returns its metrics."""
+    sb = stages.run_step(self, self.step + 1)
+    self.step = sb.step
+    self.last_rollout = (sb.gen["examples"], sb.completions, sb.rewards)
+    self.bad_steps = 0 if sb.all_finite else self.bad_steps + 1
+    return sb.out
+
+  def recompute(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The no-grad recompute of a batch (old log-probs, the monitor's dense top-k, and the
+    reference's log-probs when there is one), micro-batched: {"old_logp", "dense_topk_ids",
+    "dense_topk_logp"[, "ref_logp"]} host arrays aligned with `arrays["tokens"]`."""
+    plan = self.logprob_plan(arrays["lengths"])
+    res = self.run_micro(lambda mb: self.programs.logprobs(self.params, mb), arrays, plan,
+                         keys=("tokens", "lengths"))
+    out = {"old_logp": res["logp"], "dense_topk_ids": res.get("topk_ids"),
+           "dense_topk_logp": res.get("topk_logp")}
+    if self.ref_params is not None:
+      out["ref_logp"] = self.run_micro(
+          lambda mb: self.programs.ref_logprobs(self.ref_params, mb), arrays, plan,
+          keys=("tokens", "lengths"))["logp"]
     return out
 
-  def _batch_rows(self, n: int) -> int:
-    """Rows of the training batch for `n` rollouts. Without ARRoL n is the batch size. ARRoL's
-    survivors are re-batched: padded (mask 0) to whole micro-batches, or, when a mini-batch is
-    one piece, to a power of two, so the recompute and update cost follow the survivors while
-    only a few shapes compile."""
-    cfg = self.cfg
-    if self.arrol is None or n == cfg.batch_size:
-      return n
-    if cfg.micro_batch < cfg.mini_batch:
-      return -(-n // cfg.micro_batch) * cfg.micro_batch
-    if cfg.mini_batch < cfg.batch_size:
-      return -(-n // cfg.mini_batch) * cfg.mini_batch
-    return min(cfg.batch_size, max(8, 1 << (max(n, 1) - 1).bit_length()))
+  def mini_batch_grads(self, arrays: dict[str, np.ndarray], params=None):
+    """(loss, metrics, grads, aux) of one mini-batch (host arrays: tokens, lengths, mask =
+    the loss mask, advantages, [old_logp, rollout_logp, ref_logp]) as the sum of its
+    micro-batches, each divided by the mini-batch's loss denominators (so the result equals
+    the mini-batch in one piece). `aux`: with the recompute skipped, the forward's own old
+    log-probs and dense top-k, as full host arrays."""
+    params = self.params if params is None else params
+    progs = self.programs
+    den = grpo.loss_denominators(grpo.loss_mask(
+        jnp.asarray(arrays["mask"]), self.loss_cfg,
+        old_logp=None if "old_logp" not in arrays else jnp.asarray(arrays["old_logp"]),
+        rollout_logp=(None if "rollout_logp" not in arrays
+                      else jnp.asarray(arrays["rollout_logp"]))))
+    keys = [k for k in ("tokens", "lengths", "mask", "advantages", "old_logp", "rollout_logp",
+                        "ref_logp") if k in arrays]
+    if not self.loss_cfg.uses_rollout_correction:
+      keys = [k for k in keys if k != "rollout_logp"]
+    if progs.skip_recompute:
+      keys = [k for k in keys if k != "old_logp"]
+    acc = progs.zeros(params)
+    losses, per_micro, n_in, aux = [], [], [], {}
+    b, t = np.shape(arrays["tokens"])[:2]
+    for micro in self.update_plan(arrays["lengths"]):
+      inputs = self._place(mb_lib.gather(arrays, micro, keys))
+      acc, loss, m, n, a = progs.grad_step(params, acc, inputs, den)
+      losses.append(loss)
+      per_micro.append(m)
+      n_in.append(n)
+      if a:
+        mb_lib.scatter(aux, micro, jax.device_get(a), b, t)
+    stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_micro)
+    metrics = grpo.combine_micro_metrics(stacked, jnp.stack(n_in))
+    return jnp.sum(jnp.stack(losses)), metrics, acc, aux
 
-  def _arrol_update(self, comps, rewards, pruned, rho_hat) -> dict[str, Any]:
+  def apply_updates(self, arrays: dict[str, np.ndarray]) -> tuple[list[dict], bool]:
+    """`ppo_epochs` passes of mini-batch updates over a step batch's host arrays (tokens,
+    lengths, loss_mask or mask, advantages, old_logp unless the recompute is skipped,
+    rollout_logp, ref_logp). Returns per-update metrics and whether every update was
+    finite. With the recompute skipped, the forward's own old log-probs and the monitor's
+    dense top-k are written into `arrays`."""
+    cfg = self.cfg
+    full = dict(arrays)
+    if "loss_mask" in full:
+      full["mask"] = full["loss_mask"]
+    n = full["tokens"].shape[0]
+    metrics, all_finite = [], True
+    for _ in range(cfg.ppo_epochs):
+      for s in range(0, n, cfg.mini_batch):
+        rows = slice(s, s + cfg.mini_batch)
+        sub = {k: v[rows] for k, v in full.items() if np.ndim(v) >= 1}
+        loss, m, grads, aux = self.mini_batch_grads(sub)
+        self.params, self.opt_state, ok, gnorm = self.programs.apply(
+            self.params, self.opt_state, grads, loss)
+        m = jax.device_get(dict(m, loss=loss, grad_norm=gnorm, finite=ok))
+        all_finite &= bool(m["finite"])
+        metrics.append(m)
+        for k, v in aux.items():  # only with the recompute skipped (one mini-batch)
+          arrays[k] = v
+    return metrics, all_finite
+
+  def distill_update(self, arrays: dict[str, np.ndarray], plan) -> dict[str, float]:
+    """DistillSparse: one LoRA-only step on the step batch, micro-batched (`plan`), teacher =
+    the old dense log-probs, with the batch's token count as the loss denominator."""
+    t0 = time.perf_counter()
+    cfg, progs = self.cfg, self.programs
+    keys = ["tokens", "mask", "old_logp", "prompt_lens", "lengths"]
+    if cfg.distill_pg_coef > 0:  # the LoRA's own truncated-IS policy gradient
+      keys += ["advantages", "rollout_logp"]
+    m = np.asarray(arrays["mask"], np.float32).copy()
+    m[:, 0] = 0.0
+    den = {"num_tokens": jnp.float32(m.sum())}
+    acc = progs.zeros(self.lora)
+    losses, per_micro = [], []
+    for micro in plan:
+      inputs = mb_lib.gather(arrays, micro, keys)
+      inputs["budgets"] = np.asarray(teacher_forced_budgets(self.schedule, micro.length,
+                                                            micro.rows))
+      acc, loss, mm = progs.distill_grad(self.lora, acc, self.params, self._place(inputs), den)
+      losses.append(loss)
+      per_micro.append(mm)
+    loss = jnp.sum(jnp.stack(losses))
+    self.lora, self.lora_opt_state, am = progs.distill_apply(self.lora, self.lora_opt_state,
+                                                             acc, loss)
+    out = distill_lib.combine_micro_metrics(jax.device_get(per_micro))
+    out.update({k: float(v) for k, v in jax.device_get(am).items()})
+    out = {f"distill/{k}": v for k, v in out.items()}
+    out["time/distill_s"] = time.perf_counter() - t0
+    return out
+
+  def tail_alpha(self, arrays, schedule: SparsitySchedule, lora, mask, plan=None,
+                 **kw) -> float:
+    """Tail (p5) of exact alpha_t between the dense policy and sparse(+`lora`) under
+    `schedule` over `mask`'s tokens of a batch (micro-batched; `switching.alpha_tail`)."""
+    plan = plan if plan is not None else self.logprob_plan(arrays["lengths"])
+    t = int(np.shape(arrays["tokens"])[1])
+    attention = attention_for(schedule, t)
+
+    def prepare(inputs, micro):
+      inputs["budgets"] = np.asarray(teacher_forced_budgets(schedule, micro.length,
+                                                            micro.rows))
+      return inputs
+
+    def fn(mb):
+      return {"alpha": probe_alpha_program(self.graphdef, self.params, lora, mb["tokens"],
+                                           mb["budgets"], mb["prompt_lens"], mb["lengths"],
+                                           jnp.float32(self.temperature), attention=attention,
+                                           chunk=self.cfg.logprob_chunk)}
+
+    alpha = self.run_micro(fn, arrays, plan, keys=("tokens", "prompt_lens", "lengths"),
+                           prepare=prepare)["alpha"]
+    return alpha_tail(alpha, mask, **kw)
+
+  def arrol_update(self, comps, rewards, pruned, rho_hat) -> dict[str, Any]:
     """Train the quality head on this step's labelled rollouts (label: reward > 0) and report
     ARRoL's metrics (paper Tables 4/5): kept fraction, E[rho_hat], E[rho_hat (1 - rho_hat)]
     over groups, head accuracy and AUC (scores taken before the update: held out).
@@ -618,19 +623,17 @@ class Trainer:
     self.arrol.end_step()
     return out
 
-  def _maybe_switch(self, step: int, batch, response_mask) -> dict[str, Any]:
+  def maybe_switch(self, step: int, arrays, plan=None) -> dict[str, Any]:
     """Probe the next, more aggressive schedule (with the current LoRA) on this step's whole
-    rollout batch, over its response tokens; switch after `ladder_patience` consecutive
-    probes with tail alpha >= tau. Position bins with fewer than `probe_min_count` tokens do
-    not count; when none qualifies the probe is skipped (`ladder/probe_skipped`)."""
+    rollout batch, over its response tokens (`arrays["mask"]`); switch after
+    `ladder_patience` consecutive probes with tail alpha >= tau. Position bins with fewer than
+    `probe_min_count` tokens do not count; when none qualifies the probe is skipped
+    (`ladder/probe_skipped`)."""
     if self.ladder is None or self.ladder.candidate is None or not self.ladder.should_probe(step):
       return {} if self.ladder is None else dict(self.ladder.metrics())
     cfg = self.cfg
-    tail = probe_tail_alpha(
-        self.graphdef, self.params, self.lora, jnp.asarray(batch["tokens"]),
-        jnp.asarray(response_mask), jnp.asarray(batch["prompt_lens"]), self.ladder.candidate,
-        lengths=jnp.asarray(batch["lengths"]), bin_size=cfg.mismatch_bin_size,
-        min_count=cfg.probe_min_count, temperature=self.temperature, chunk=cfg.logprob_chunk)
+    tail = self.tail_alpha(arrays, self.ladder.candidate, self.lora, arrays["mask"], plan,
+                           bin_size=cfg.mismatch_bin_size, min_count=cfg.probe_min_count)
     if not np.isfinite(tail):
       return dict(self.ladder.metrics(), **{"ladder/probe_skipped": 1.0})
     candidate = self.ladder.candidate
@@ -642,34 +645,10 @@ class Trainer:
     return dict(self.ladder.metrics(), **{"ladder/probe_tail_alpha": tail,
                                           "ladder/probe_skipped": 0.0})
 
-  def apply_updates(self, full: dict[str, np.ndarray]) -> tuple[list[dict], bool]:
-    """`ppo_epochs` passes of mini-batch updates over a prepared batch (host arrays)."""
-    cfg = self.cfg
-    mb = cfg.mini_batch
-    metrics, all_finite = [], True
-    for _ in range(cfg.ppo_epochs):
-      for s in range(0, full["tokens"].shape[0], mb):
-        mbatch = sh.shard_batch({k: v[s:s + mb] for k, v in full.items()}, self.mesh)
-        self.params, self.opt_state, m = self._update(self.params, self.opt_state, mbatch)
-        m = jax.device_get(m)
-        all_finite &= bool(m["finite"])
-        metrics.append(m)
-    return metrics, all_finite
-
-  def _opt_count(self):
+  def opt_count(self):
     counts = [x for x in jax.tree.leaves(self.opt_state)
               if hasattr(x, "dtype") and x.dtype == jnp.int32 and x.ndim == 0]
     return counts[0] if counts else jnp.zeros((), jnp.int32)
-
-  def _monitor(self, batch, dense_ids, dense_lp, mask) -> dict[str, float]:
-    """Per-bin tail of Sparrow's online statistic: the top-k lower bound of alpha between
-    the sparse actor (top-k kept during rollout) and the dense recompute, both at the rollout
-    temperature. The engine keeps the untempered top-k: `tempered_topk_logprobs` bounds the
-    tempered values from below, so the result stays a lower bound (exact at T = 1)."""
-    sparse_lp = tempered_topk_logprobs(batch["rollout_topk_logp"], self.temperature,
-                                       self.model_cfg.vocab_size)
-    return self.monitor.update(batch["rollout_topk_ids"], sparse_lp,
-                               dense_ids, dense_lp, mask, step=self.step + 1)
 
   # --- checkpoints -----------------------------------------------------------------------
   def _state(self) -> dict[str, Any]:

@@ -25,7 +25,7 @@ def main(out_dir):
           "tensorboard=false", "distill=false", "max_new_tokens=4",
           # Adam divides by sqrt(v) + eps: with eps=1e-8, gradients of ~1e-8 turn the ~1e-9
           # rounding differences of a different reduction order into 1e-5 parameter gaps.
-          "adam_eps=1e-6"]
+          "adam_eps=1e-6", "skip_redundant_recompute=false"]
   single = Trainer(get_train_config("tiny", base + ["mesh=data=1,fsdp=1,tensor=1",
                                                     f"out_dir={out_dir}/a"]), quiet=True)
   sharded = Trainer(get_train_config("tiny", base + ["mesh=data=2,fsdp=4,tensor=1",
@@ -33,7 +33,7 @@ def main(out_dir):
   examples = single.dataset.next_batch()
   comps = single.rollout(examples, 1)
   batch = single.make_batch(comps)
-  old = single._recompute(single.params, None, batch["tokens"], batch["lengths"])[0]
+  old = single.recompute(batch)["old_logp"]
   rewards = np.random.default_rng(0).integers(0, 2, len(comps)).astype(np.float32)
   adv = np.asarray(grpo.group_advantages(rewards, 4))
   full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old),

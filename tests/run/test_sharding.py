@@ -282,7 +282,7 @@ def sharded(tmp_path_factory):
   env.pop("XLA_FLAGS", None)  # the script sets its own
   env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "rl", "sharded_check.py"),
+  proc = subprocess.run([sys.executable, os.path.join(REPO, "tests", "run", "sharded_check.py"),
                          str(out)], env=env, capture_output=True, text=True, timeout=900,
                         cwd=REPO)
   assert proc.returncode == 0, proc.stderr[-4000:]

@@ -12,7 +12,6 @@ import pytest
 
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
-from sparrow_jax.run import trainer as trainer_lib
 from sparrow_jax.run.config import get_train_config
 from sparrow_jax.run.metrics import read_jsonl
 from sparrow_jax.run.trainer import Trainer
@@ -137,13 +136,13 @@ def ds_step(tmp_path_factory):
                 "ladder=constant:2", "probe_every=1", "probe_min_count=4")
   _patch_rewards(mp, tr, ["ZIZI"])
   probes = []
-  real_probe = trainer_lib.probe_tail_alpha
+  real_probe = tr.tail_alpha
 
   def probe(*a, **kw):
     probes.append((a, kw))
     return real_probe(*a, **kw)
 
-  mp.setattr(trainer_lib, "probe_tail_alpha", probe)
+  mp.setattr(tr, "tail_alpha", probe)
   batches = []
   real_make = tr.make_batch
   mp.setattr(tr, "make_batch",
@@ -158,13 +157,15 @@ def test_ladder_probe_uses_the_whole_batch_and_the_response_mask(ds_step):
   tr, out, probes, batch = ds_step
   assert len(probes) == 1 and np.isfinite(out["ladder/probe_tail_alpha"])
   assert out["ladder/checks"] == 1.0 and out["ladder/probe_skipped"] == 0.0
-  (_, _, _, tokens, mask, _, _), kw = probes[0]
-  assert tokens.shape[0] == 4 * G  # every row, including the zero-variance first group
+  (arrays, schedule, lora, mask, plan), kw = probes[0]
+  assert arrays["tokens"].shape[0] == 4 * G  # every row, including the zero-variance group
+  assert sorted(np.concatenate([m.index for m in plan])) == list(range(4 * G))
+  assert schedule.name == "constant-2" and lora is tr.lora
   np.testing.assert_array_equal(np.asarray(mask), batch["mask"])
-  assert kw["min_count"] == 4 and kw["temperature"] == 1.0
+  assert kw["min_count"] == 4 and tr.temperature == 1.0
   # No position bin with enough tokens: the probe is skipped, not NaN, and nothing crashes.
   tr.cfg = tr.cfg.replace(probe_min_count=10**6)
-  skipped = tr._maybe_switch(2, batch, batch["mask"])
+  skipped = tr.maybe_switch(2, batch)
   assert skipped["ladder/probe_skipped"] == 1.0 and "ladder/probe_tail_alpha" not in skipped
   assert skipped["ladder/checks"] == 1.0  # not counted as a check
 
@@ -182,12 +183,11 @@ def test_monitor_and_distill_count_every_response_token(ds_step):
 
 def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   tr = _trainer(tmp_path, "distill=false", "schedule=dense", "temperature=0.7", "top_p=1.0",
-                "kl_coef=0.1")
+                "kl_coef=0.1", "skip_redundant_recompute=false")
   examples = tr.dataset.next_batch()
   batch = tr.make_batch(tr.rollout(examples, 1))
-  old, _, dense_lp, ref = tr._recompute(tr.params, tr.ref_params,
-                                        jnp.asarray(batch["tokens"]),
-                                        jnp.asarray(batch["lengths"]))
+  rec = tr.recompute(batch)
+  old, dense_lp, ref = rec["old_logp"], rec["dense_topk_logp"], rec["ref_logp"]
   m = batch["mask"] > 0
   np.testing.assert_allclose(np.asarray(old)[m], batch["rollout_logp"][m], atol=2e-5)
   np.testing.assert_array_equal(np.asarray(ref), np.asarray(old))  # reference at T too
@@ -197,7 +197,7 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   # The update's log-probs are tempered as well: on-policy ratios are exactly ~1.
   full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old),
               advantages=np.ones(4 * G, np.float32), mask=batch["mask"], ref_logp=np.asarray(ref))
-  _, metrics, _ = tr._grads(tr.params, full)
+  _, metrics, _, _ = tr.mini_batch_grads(full)
   assert abs(float(metrics["ratio_max"]) - 1) < 1e-5 and abs(float(metrics["ratio_min"]) - 1) < 1e-5
 
 
@@ -211,7 +211,7 @@ def test_top_p_only_shapes_sampling(tmp_path):
                 f"top_p={top_p}")
   batch = tr.make_batch(tr.rollout(tr.dataset.next_batch(), 1))
   tokens = jnp.asarray(batch["tokens"])
-  old = np.asarray(tr._recompute(tr.params, None, tokens, jnp.asarray(batch["lengths"]))[0])
+  old = tr.recompute(batch)["old_logp"]
   logits = np.asarray(nnx.merge(tr.graphdef, tr.params)(tokens), np.float64) / temp
   probs = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True))  # [B, T, V]
   desc = -np.sort(-probs, axis=-1)
@@ -253,13 +253,15 @@ def _uneven_batch(vocab, *, empty_micro: bool):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum"])
 def test_micro_batched_gradient_equals_the_whole_mini_batch(tmp_path, agg):
-  whole = _trainer(tmp_path / "a", "distill=false", f"loss_agg={agg}")
+  whole = _trainer(tmp_path / "a", "distill=false", f"loss_agg={agg}",
+                   "skip_redundant_recompute=false")
   micro = _trainer(tmp_path / "b", "distill=false", f"loss_agg={agg}",
-                   f"micro_batch_size={2 * G}")
+                   f"micro_batch_size={2 * G}", "skip_redundant_recompute=false")
   for empty in (False, True):
     batch = _uneven_batch(whole.model_cfg.vocab_size, empty_micro=empty)
-    l1, m1, g1 = whole._grads(whole.params, batch)
-    l2, m2, g2 = micro._grads(whole.params, batch)
+    l1, m1, g1, _ = whole.mini_batch_grads(batch)
+    l2, m2, g2, _ = micro.mini_batch_grads(batch, params=whole.params)
+    assert len(micro.update_plan(batch["lengths"])) == 2
     assert np.isfinite(float(l2)) and all(np.isfinite(x).all() for x in _leaves(g2))
     np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5, atol=1e-7)
     for x, y in zip(_leaves(g2), _leaves(g1), strict=True):

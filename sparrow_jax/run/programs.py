@@ -1,0 +1,202 @@
+"""The jitted programs of one RL step, built once from the graphdef and the config.
+
+Each program works on one micro-batch (`run/microbatch.py` drives them) and takes only pytrees
+and arrays, so the trainer runs them on real arrays and the compile plan (`run/compile_plan.py`)
+lowers the very same functions on abstract ones (`jax.ShapeDtypeStruct` with shardings) to read
+XLA's memory analysis at the preset's real shapes.
+
+  logprobs        (params, mb) -> old / reference log-probs [R, L] (+ the dense top-k of the
+                  mismatch monitor): the no-grad recompute.
+  grad_step       (params, acc, mb, den) -> (acc + grads, loss, metrics, n_tokens, aux): one
+                  micro-batch of the GRPO loss with the mini-batch's denominators `den`;
+                  `acc` (donated) accumulates the gradient. With `skip_recompute` the old
+                  log-probs are the forward's own under stop_gradient (ratio exactly 1) and
+                  `aux` returns them with the monitor's dense top-k.
+  apply           (params, opt_state, grads, loss) -> (params, opt_state, ok, grad_norm): the
+                  guarded optimizer step (non-finite loss or gradient: nothing changes).
+  distill_grad    (lora, acc, params, mb, den) -> (acc + grads, metrics): DistillSparse's
+                  LoRA-only gradient of one micro-batch (sparse teacher-forced forward, remat).
+  distill_apply   (lora, opt_state, grads, loss) -> (lora, opt_state, metrics).
+  zeros           a zero tree like its argument, with the same shardings (accumulators).
+
+Micro-batch keys (host arrays gathered by the driver): tokens [R, L], lengths [R], mask
+[R, L], old_logp [R, L], advantages [R], rollout_logp [R, L], ref_logp [R, L],
+prompt_lens [R], budgets [R, L].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from sparrow_jax.models.lora import lora_norms
+from sparrow_jax.rl import distill as distill_lib
+from sparrow_jax.rl import grpo
+from sparrow_jax.rl.logprobs import token_logprobs
+
+
+class Counter:
+  """Counts traces (= compilations) of the programs that share it."""
+
+  def __init__(self):
+    self.n = 0
+
+  def __call__(self):
+    self.n += 1
+
+
+def guarded_apply(tx, params, opt_state, grads, loss):
+  """Apply the update only when loss and gradients are finite (else keep everything)."""
+  gnorm = optax.global_norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+  updates, new_opt = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+  return keep(new_params, params), keep(new_opt, opt_state), ok, gnorm
+
+
+def _zeros(tree):
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
+
+
+def make_logprobs(graphdef, *, chunk: int, temperature: float, topk: int,
+                  count: Callable[[], None] = lambda: None):
+  """The no-grad recompute of one micro-batch: {"logp"} (+ {"topk_ids", "topk_logp"})."""
+
+  def fn(params, mb):
+    count()
+    st = token_logprobs(nnx.merge(graphdef, params), mb["tokens"], lengths=mb["lengths"],
+                        chunk=chunk, topk=topk, temperature=temperature)
+    out = {"logp": st.logp}  # [R, L]
+    if topk:
+      out.update(topk_ids=st.topk_ids, topk_logp=st.topk_logp)  # [R, L, k]
+    return out
+
+  return jax.jit(fn)
+
+
+def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, temperature: float,
+                   remat: bool, with_entropy: bool, skip_recompute: bool, topk: int,
+                   count: Callable[[], None] = lambda: None):
+  """One micro-batch of the GRPO loss; see the module docstring."""
+
+  def loss_fn(params, mb, den):
+    model = nnx.merge(graphdef, params)
+    st = token_logprobs(model, mb["tokens"], lengths=mb["lengths"], chunk=chunk,
+                        with_entropy=with_entropy, remat=remat, temperature=temperature,
+                        topk=topk if skip_recompute else 0)
+    old = jax.lax.stop_gradient(st.logp) if skip_recompute else mb["old_logp"]
+    loss, metrics = grpo.grpo_loss(st.logp, old, mb["advantages"], mb["mask"], loss_cfg,
+                                   ref_logp=mb.get("ref_logp"),
+                                   rollout_logp=mb.get("rollout_logp"), entropy=st.entropy,
+                                   **den)
+    aux = {}
+    if skip_recompute:
+      aux = {"old_logp": old}
+      if topk:
+        aux.update(dense_topk_ids=st.topk_ids,
+                   dense_topk_logp=jax.lax.stop_gradient(st.topk_logp))
+    return loss, (metrics, aux)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def fn(params, acc, mb, den):
+    count()
+    (loss, (metrics, aux)), grads = grad_fn(params, mb, den)
+    acc = jax.tree.map(jnp.add, acc, grads)
+    n_in = jnp.sum(mb["mask"].astype(jnp.float32))  # the input mask's tokens
+    return acc, loss, metrics, n_in, aux
+
+  return jax.jit(fn, donate_argnums=(1,))
+
+
+def make_apply(tx, count: Callable[[], None] = lambda: None):
+  def fn(params, opt_state, grads, loss):
+    count()
+    return guarded_apply(tx, params, opt_state, grads, loss)
+
+  return jax.jit(fn, donate_argnums=(0, 1))
+
+
+def make_zeros():
+  """`zeros(tree)`: zeros shaped, typed and sharded like `tree` (jit keeps the input
+  shardings for outputs of the same shape)."""
+  return jax.jit(_zeros)
+
+
+# --- DistillSparse ---------------------------------------------------------------------------
+
+def make_distill_grad(graphdef, attention, dcfg: distill_lib.DistillConfig,
+                      count: Callable[[], None] = lambda: None):
+  """DistillSparse's gradient of one micro-batch w.r.t. the LoRA only; `den` carries the
+  step batch's token count so micro-batch losses sum to the one-piece loss."""
+
+  def loss_fn(lora, params, mb, den):
+    return distill_lib.distill_loss(
+        lora, graphdef, params, mb["tokens"], mb["mask"], mb["old_logp"],
+        attention=attention, budgets=mb["budgets"], prompt_lengths=mb.get("prompt_lens"),
+        lengths=mb.get("lengths"), kind=dcfg.kind, coef=dcfg.coef, pg_coef=dcfg.pg_coef,
+        advantages=mb.get("advantages"), rollout_logp=mb.get("rollout_logp"),
+        tis_cap=dcfg.tis_cap, temperature=dcfg.temperature, logprob_chunk=dcfg.logprob_chunk,
+        num_tokens=den["num_tokens"], remat=True)
+
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+  def fn(lora, acc, params, mb, den):
+    count()
+    (loss, metrics), grads = grad_fn(lora, params, mb, den)
+    return jax.tree.map(jnp.add, acc, grads), loss, metrics
+
+  return jax.jit(fn, donate_argnums=(1,))
+
+
+def make_distill_apply(tx, count: Callable[[], None] = lambda: None):
+  def fn(lora, opt_state, grads, loss):
+    count()
+    new_lora, new_opt, ok, gnorm = guarded_apply(tx, lora, opt_state, grads, loss)
+    metrics = dict(grad_norm=gnorm, skipped=(~ok).astype(jnp.float32), **lora_norms(new_lora))
+    return new_lora, new_opt, metrics
+
+  return jax.jit(fn, donate_argnums=(0, 1))
+
+
+@dataclasses.dataclass
+class Programs:
+  """The step's programs (see the module docstring); `count.n` = traces so far."""
+
+  logprobs: Any  # policy: with the monitor's top-k
+  ref_logprobs: Any  # reference: log-probs only
+  grad_step: Any
+  apply: Any
+  zeros: Any
+  count: Counter
+  skip_recompute: bool
+  distill_grad: Any = None
+  distill_apply: Any = None
+
+
+def build_programs(graphdef, cfg, *, loss_cfg: grpo.GRPOLossConfig, tx, temperature: float,
+                   skip_recompute: bool, attention=None, lora_tx=None,
+                   dcfg: distill_lib.DistillConfig | None = None) -> Programs:
+  """All programs of a `TrainConfig` (`attention`, `lora_tx`, `dcfg`: DistillSparse's)."""
+  count = Counter()
+  chunk, topk = cfg.logprob_chunk, cfg.monitor_topk
+  progs = Programs(
+      logprobs=make_logprobs(graphdef, chunk=chunk, temperature=temperature, topk=topk,
+                             count=count),
+      ref_logprobs=make_logprobs(graphdef, chunk=chunk, temperature=temperature, topk=0,
+                                 count=count),
+      grad_step=make_grad_step(graphdef, loss_cfg, chunk=chunk, temperature=temperature,
+                               remat=cfg.remat, with_entropy=cfg.entropy_coeff > 0,
+                               skip_recompute=skip_recompute, topk=topk, count=count),
+      apply=make_apply(tx, count), zeros=make_zeros(), count=count,
+      skip_recompute=skip_recompute)
+  if dcfg is not None:
+    progs.distill_grad = make_distill_grad(graphdef, attention, dcfg, count)
+    progs.distill_apply = make_distill_apply(lora_tx, count)
+  return progs

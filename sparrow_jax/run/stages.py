@@ -1,0 +1,224 @@
+"""One RL step as named stages over one step batch (the data path of DESIGN.md).
+
+    generate    rollouts of the sparse actor (policy + LoRA), scored by the verifiers, with
+                DAPO refill rounds; ARRoL's pruned rollouts leave here
+    batch       the scored rollouts as host arrays [B, T] and the micro-batch plans; the
+                engine's KV pool is released (the trainer gets its memory back)
+    recompute   old dense log-probs + the monitor's dense top-k, and the KL reference's
+                log-probs, micro-batched and sharded; skipped when it is redundant (one
+                optimizer step per rollout batch: the update's own forward gives them)
+    advantages  group-relative advantages (ragged groups with ARRoL) and the GRPO loss mask
+    distill     DistillSparse: LoRA-only update against the old dense log-probs, before the
+                policy update, so teacher dense(theta_k) and student sparse(theta_k) + LoRA
+                share the policy that generated the rollout (rl/distill.py)
+    update      GRPO: `ppo_epochs` passes of mini-batches, each a sum of micro-batch gradients
+                with the mini-batch's loss denominators, then one guarded optimizer step
+    monitor     the top-k lower bound of alpha_t per position bin (rl/monitor.py)
+    ladder      probe the next schedule of the ladder, switch after `ladder_patience` passes
+    arrol       train ARRoL's quality head on this step's labelled detection states
+    metrics     one flat dict for the logger
+
+Each stage is `fn(trainer, sb)`: it reads and writes the `StepBatch` and uses the trainer's
+programs, mesh and state. Wall time per stage goes to `time/<stage>_s` (`time/rollout_s` and
+`time/reward_s` split the generate stage). Every phase that touches rollouts runs through
+`run/microbatch.py`: micro-batches sorted by length, padded to their own length bucket and
+placed sharded over the batch axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparrow_jax.rl import arrol as arrol_lib
+from sparrow_jax.rl import distill as distill_lib
+from sparrow_jax.rl import grpo
+from sparrow_jax.rl.monitor import tempered_topk_logprobs
+from sparrow_jax.run import microbatch as mb_lib
+from sparrow_jax.run.builders import _frac_zero_var
+
+
+@dataclasses.dataclass
+class StepBatch:
+  """Everything one step knows about its rollouts, filled stage by stage.
+
+  `arrays` (host, row j = `completions[j]`): tokens [B, T] int32, lengths [B], mask [B, T]
+  (response tokens: monitor, DistillSparse, probe), prompt_lens [B], rollout_logp [B, T],
+  rollout_topk_ids / rollout_topk_logp [B, T, k]; then old_logp [B, T], dense_topk_ids /
+  dense_topk_logp [B, T, k], ref_logp [B, T] (recompute), advantages [B], loss_mask [B, T]
+  (advantages: the dynamic-sampling mask on top of `mask`).
+  """
+
+  step: int
+  schedule: str = ""  # the rollout's schedule (the ladder may switch at the end of a step)
+  completions: list = dataclasses.field(default_factory=list)
+  rewards: np.ndarray | None = None  # [B] of the trained completions
+  gen: dict = dataclasses.field(default_factory=dict)  # generate's info (every completion)
+  arrays: dict = dataclasses.field(default_factory=dict)
+  group_ids: list = dataclasses.field(default_factory=list)
+  zero_var: np.ndarray | None = None  # [groups] with fixed-size groups
+  rho_hat: tuple = (0.0, 0.0)
+  logprob_plan: list = dataclasses.field(default_factory=list)
+  update_metrics: list = dataclasses.field(default_factory=list)
+  all_finite: bool = True
+  out: dict = dataclasses.field(default_factory=dict)  # metrics of every stage
+  times: dict = dataclasses.field(default_factory=dict)
+
+
+# --- stages --------------------------------------------------------------------------------
+
+def generate(tr, sb: StepBatch) -> None:
+  sb.schedule = tr.schedule.name
+  sb.completions, sb.rewards, sb.gen = tr.generate_groups(sb.step)
+  sb.times["rollout"], sb.times["reward"] = sb.gen["rollout_s"], sb.gen["reward_s"]
+  sb.group_ids = [c.request_id[0] for c in sb.completions]
+
+
+def batch(tr, sb: StepBatch) -> None:
+  sb.arrays = tr.make_batch(sb.completions)
+  tr.engine_release()
+  lengths = sb.arrays["lengths"]
+  sb.logprob_plan = tr.logprob_plan(lengths)
+  update_plan = [m for s in range(0, len(lengths), tr.cfg.mini_batch)
+                 for m in tr.update_plan(lengths[s:s + tr.cfg.mini_batch])]
+  sb.out["batch/padding_frac"] = mb_lib.padding_frac(
+      update_plan, np.concatenate([lengths[s:s + tr.cfg.mini_batch]
+                                   for s in range(0, len(lengths), tr.cfg.mini_batch)]))
+  sb.out["batch/logprob_padding_frac"] = mb_lib.padding_frac(sb.logprob_plan, lengths)
+  sb.out["batch/micro_batches"] = len(update_plan)
+
+
+def recompute(tr, sb: StepBatch) -> None:
+  a = sb.arrays
+  if not tr.programs.skip_recompute:
+    res = tr.run_micro(lambda mb: tr.programs.logprobs(tr.params, mb), a, sb.logprob_plan,
+                       keys=("tokens", "lengths"))
+    a["old_logp"] = res["logp"]
+    if "topk_ids" in res:
+      a["dense_topk_ids"], a["dense_topk_logp"] = res["topk_ids"], res["topk_logp"]
+  if tr.ref_params is not None:
+    res = tr.run_micro(lambda mb: tr.programs.ref_logprobs(tr.ref_params, mb), a,
+                       sb.logprob_plan, keys=("tokens", "lengths"))
+    a["ref_logp"] = res["logp"]
+
+
+def advantages(tr, sb: StepBatch) -> None:
+  cfg, a = tr.cfg, sb.arrays
+  g = cfg.group_size
+  sb.rho_hat = arrol_lib.rho_hat_stats(sb.rewards, sb.group_ids)
+  if tr.arrol is None:
+    adv = np.asarray(grpo.group_advantages(jnp.asarray(sb.rewards), g,
+                                           normalize_std=cfg.normalize_adv_std))
+    groups = sb.rewards.reshape(-1, g)
+    sb.zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
+  else:  # groups of unequal size once ARRoL pruned some members
+    adv = grpo.ragged_group_advantages(sb.rewards, sb.group_ids,
+                                       normalize_std=cfg.normalize_adv_std)
+  a["advantages"] = np.asarray(adv, np.float32)
+  loss_mask = a["mask"].copy()  # [B, T]: the GRPO loss (response mask: everything else)
+  if cfg.dynamic_sampling:
+    loss_mask *= np.repeat(~sb.zero_var, g)[:, None]
+  a["loss_mask"] = loss_mask
+
+
+def distill(tr, sb: StepBatch) -> None:
+  if not tr.cfg.distill:
+    return
+  sb.out.update(tr.distill_update(sb.arrays, sb.logprob_plan))
+
+
+def update(tr, sb: StepBatch) -> None:
+  sb.update_metrics, sb.all_finite = tr.apply_updates(sb.arrays)
+  tr.engine.set_state(tr.params)
+
+
+def monitor(tr, sb: StepBatch) -> None:
+  """Top-k lower bound of alpha between the sparse actor (top-k kept during rollout) and the
+  dense policy (recompute, or the update's own forward), both at the rollout temperature. The
+  engine keeps the untempered top-k: `tempered_topk_logprobs` bounds the tempered values from
+  below, so the result stays a lower bound (exact at T = 1)."""
+  a = sb.arrays
+  if "dense_topk_ids" not in a:
+    return
+  sparse_lp = tempered_topk_logprobs(a["rollout_topk_logp"], tr.temperature,
+                                     tr.model_cfg.vocab_size)
+  sb.out.update(tr.monitor.update(a["rollout_topk_ids"], sparse_lp, a["dense_topk_ids"],
+                                  a["dense_topk_logp"], a["mask"], step=sb.step))
+
+
+def ladder(tr, sb: StepBatch) -> None:
+  sb.out.update(tr.maybe_switch(sb.step, sb.arrays, sb.logprob_plan))
+
+
+def arrol(tr, sb: StepBatch) -> None:
+  sb.out.update(tr.arrol_update(sb.completions, sb.rewards, sb.gen["pruned"], sb.rho_hat))
+
+
+def metrics(tr, sb: StepBatch) -> None:
+  cfg, gen, g = tr.cfg, sb.gen, tr.cfg.group_size
+  all_comps, all_rewards = gen["completions"], gen["rewards"]  # every scored sample
+  resp_lens = np.array([len(c.token_ids) for c in all_comps])
+  gen_tokens = int(resp_lens.sum()) + sum(len(c.token_ids) for c in gen["pruned"])
+  if tr.arrol is None:
+    all_groups = all_rewards.reshape(-1, g)
+    frac_zero_var = float(np.mean(np.all(all_groups == all_groups[:, :1], axis=1)))
+  else:
+    frac_zero_var = _frac_zero_var(all_rewards, [c.request_id[0] for c in all_comps])
+  upd = sb.update_metrics
+  mean = lambda key: float(np.mean([float(m[key]) for m in upd]))
+  t = sb.times
+  out = {
+      "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std()),
+      "reward/frac_zero_var_groups": frac_zero_var,
+      # ARRoL's Table 4 statistics for every run: rho_hat = positive fraction of a group.
+      **dict(zip(("reward/rho_hat_mean", "reward/rho_hat_var"), sb.rho_hat)),
+      "reward/verifier_errors": gen["num_errors"],
+      "reward/verifier_timeouts": gen["num_timeouts"],
+      "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),
+      "response/clip_ratio": float(np.mean([c.finish_reason != "stop" for c in all_comps])),
+      "loss/total": mean("loss"), "loss/policy": mean("pg_loss"),
+      "loss/clip_frac_low": mean("clip_frac_low"), "loss/clip_frac_high": mean("clip_frac_high"),
+      "loss/approx_kl": mean("approx_kl"), "grad_norm": mean("grad_norm"),
+      "lr": float(tr.lr_schedule(int(jax.device_get(tr.opt_count())))),
+      "time/rollout_s": t["rollout"], "time/reward_s": t["reward"],
+      "time/recompute_s": t.get("recompute", 0.0), "time/update_s": t["update"],
+      "rollout/tokens": gen_tokens,
+      "rollout/tokens_per_s": gen_tokens / max(t["rollout"], 1e-9),
+      **{f"rollout/{k}": v for k, v in gen["engine"].items()},
+      "recompute/skipped": float(tr.programs.skip_recompute),
+      "compilations": tr.programs.count.n + tr.engine.num_compilations,
+      "skipped_update": not sb.all_finite, "schedule": sb.schedule,
+  }
+  if cfg.distill:
+    out["time/distill_s"] = t["distill"]
+  if cfg.dynamic_sampling:
+    out.update({"dynamic_sampling/rounds": gen["rounds"],
+                "dynamic_sampling/informative_groups": int((~sb.zero_var).sum()),
+                "dynamic_sampling/generated_groups": len(all_groups)})
+  for key in ("kl", "entropy", "is_weight_mean", "is_ratio_max", "is_frac_truncated",
+              "is_frac_masked"):
+    if key in upd[0]:
+      out[f"loss/{key}"] = mean(key)
+  sb.out = {**out, **sb.out}
+
+
+PIPELINE = (("generate", generate), ("batch", batch), ("recompute", recompute),
+            ("advantages", advantages), ("distill", distill), ("update", update),
+            ("monitor", monitor), ("ladder", ladder), ("arrol", arrol), ("metrics", metrics))
+
+
+def run_step(tr, step: int) -> StepBatch:
+  """Run every stage of `PIPELINE` on a fresh step batch; returns it (metrics in `.out`)."""
+  sb = StepBatch(step=step)
+  t0 = time.perf_counter()
+  for name, stage in PIPELINE:
+    t1 = time.perf_counter()
+    stage(tr, sb)
+    sb.times.setdefault(name, time.perf_counter() - t1)
+  sb.out["time/step_s"] = time.perf_counter() - t0
+  return sb
