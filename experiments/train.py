@@ -28,6 +28,19 @@ def _err(msg: str) -> int:
   return 2
 
 
+def _force_host_devices(n: int | None) -> None:
+  """--dry-run --compile compiles for N devices: give XLA:CPU N host devices and its
+  memory-optimized scheduler (the closest to a GPU's memory-aware one) before jax starts.
+  (A process that already started jax keeps its devices; compile_plan says so.)"""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if n and "xla_force_host_platform_device_count" not in flags:
+    flags += f" --xla_force_host_platform_device_count={n}"
+  if "xla_cpu_scheduler_type" not in flags:
+    flags += " --xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
+  os.environ["XLA_FLAGS"] = flags.strip()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,12 +56,22 @@ def main(argv=None) -> int:
                   help="abstract shapes only: print per-device memory and exit")
   ap.add_argument("--num-devices", type=int, default=None,
                   help="device count for --dry-run (default: the mesh's or local devices)")
+  ap.add_argument("--compile", action="store_true",
+                  help="--dry-run: also compile every program of a step at the real shapes "
+                       "on --num-devices (forced host) devices and print XLA's memory "
+                       "analysis beside the plan (minutes)")
+  ap.add_argument("--json", action="store_true",
+                  help="--dry-run: end with one JSON line (fits, device memory, phases)")
   ap.add_argument("--mean-response-len", type=int, default=None,
                   help="--dry-run: mean response length for the concurrency estimate "
                        "(default max_new_tokens/2)")
   ap.add_argument("--quiet", action="store_true")
   ap.add_argument("overrides", nargs="*", help="key=value config overrides")
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
+  if (args.compile or args.json) and not args.dry_run:
+    return _err("--compile and --json go with --dry-run")
+  if args.compile:
+    _force_host_devices(args.num_devices)
 
   from sparrow_jax.run import runs
   from sparrow_jax.run.config import get_train_config, parse_overrides
@@ -67,8 +90,12 @@ def main(argv=None) -> int:
     return _err(str(e))
   if args.dry_run:
     from sparrow_jax.run.dry_run import dry_run
-    return dry_run(cfg, num_devices=args.num_devices,
-                   mean_response_len=args.mean_response_len)
+    try:
+      return dry_run(cfg, num_devices=args.num_devices,
+                     mean_response_len=args.mean_response_len, compile=args.compile,
+                     as_json=args.json)
+    except ValueError as e:
+      return _err(str(e))
 
   found = [] if args.resume else runs.existing_run(cfg.out_dir)
   if found and not args.overwrite:  # refused before any work

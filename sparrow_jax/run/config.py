@@ -150,7 +150,10 @@ class TrainConfig:
   val_every: int = 0  # validate every N steps and at the end; 0 = only at the end
   val_k: int = 4  # samples per validation prompt (avg@k, pass@k)
   val_max_prompts: int = 0  # 0 = all
-  device_memory_gb: float = 141.0
+  # Memory per device a dry run plans for; 0 = this machine's (an accelerator's own, on CPU
+  # the host's available RAM). The GPU presets plan for an H200 (141). A real run checks
+  # against the memory it really has (an accelerator's limit; on CPU the host RAM).
+  device_memory_gb: float = 0.0
 
   def __post_init__(self):
     pos_int = ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens",
@@ -192,6 +195,9 @@ class TrainConfig:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected > 0")
     if not 0 < self.tau < 1:
       raise ValueError(f"tau={self.tau}: expected in (0, 1)")
+    if self.device_memory_gb < 0:
+      raise ValueError(f"device_memory_gb={self.device_memory_gb}: expected >= 0 (0 = this "
+                       "machine's)")
     if self.kv_cache_gb < 0:
       raise ValueError(f"kv_cache_gb={self.kv_cache_gb}: expected >= 0 (0 = from the memory "
                        "plan)")
@@ -292,7 +298,7 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
             max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=64,
             lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
             reward="math_verify", mini_batch_size=64, micro_batch_size=2, remat=True,
-            tis_cap=2.0, num_steps=500,
+            tis_cap=2.0, num_steps=500, device_memory_gb=141.0,
             save_every=20, monitor_topk=20, mismatch_bin_size=2048, tau=0.86)
 
 PRESETS: dict[str, TrainConfig] = {
@@ -314,7 +320,10 @@ PRESETS: dict[str, TrainConfig] = {
         model="smollm2_135m", arith_min_digits=1, arith_max_digits=2, arith_template="boxed",
         reward="boxed_exact", prompts_per_step=4, group_size=4, max_prompt_len=128,
         max_new_tokens=64, schedule="constant:4", num_slots=16, num_steps=10, lr=1e-6,
-        out_dir="runs/smollm2_135m", mismatch_bin_size=512),
+        out_dir="runs/smollm2_135m", mismatch_bin_size=512,
+        # CPU-sized: layers recomputed in the backward pass, micro-batches of at most 4K
+        # tokens (the update then needs ~2 GB beside the weights at any response length).
+        remat=True, max_tokens_per_micro_batch=4096),
     **{name: TrainConfig(model=name, schedule=sched, out_dir=f"runs/{name}", **_GPU)
        for name, sched in [("qwen3_0p6b", "qwen3-1.7b-0.86"), ("qwen3_1p7b", "qwen3-1.7b-0.86"),
                            ("qwen3_4b", "qwen3-4b-0.86"), ("qwen3_8b", "qwen3-8b-0.86"),

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Sequence
 
 import jax
@@ -71,9 +72,19 @@ from flax import nnx
 from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.models.kv_cache import kv_bytes_per_page
+from sparrow_jax.rl.logprobs import time_chunk
 from sparrow_jax.run import sharding as sh
 
 GB = 1e9
+# Calibrated against XLA's memory analysis of the trainer's programs (run/compile_plan.py;
+# docs/memory.md): multiples of one layer's per-token activations live in a forward and in a
+# forward/backward, per-token activations a layer keeps without remat, copies of one query
+# chunk's attention scores and of one LM-head chunk's logits, and the optimizer step's
+# temporaries per parameter (float32).
+_RHO_FWD, _RHO_BWD, _SIGMA_NO_REMAT = 0.2, 0.8, 1.7
+_ATTN_FWD, _ATTN_BWD = 2.0, 4.0
+_LOGITS_FWD, _LOGITS_BWD = 3.0, 4.0
+_APPLY = 1.39
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 _MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}
 
@@ -149,6 +160,22 @@ class MemoryItem:
 
 
 @dataclasses.dataclass(frozen=True)
+class PhasePlan:
+  """One phase of a step: `program` = the bytes its compiled program peaks at per device
+  (arguments + outputs + temporaries - donated), `resident` = what else stays allocated
+  while it runs (e.g. the optimizer state during the forward/backward)."""
+
+  name: str
+  program: int
+  resident: int
+  note: str
+
+  @property
+  def total(self) -> int:
+    return self.program + self.resident
+
+
+@dataclasses.dataclass(frozen=True)
 class MemoryPlan:
   """Per-device memory of one configuration; `fits` compares against the usable memory."""
 
@@ -165,6 +192,20 @@ class MemoryPlan:
   kv_bytes_per_page: int = 0
   kv_min_pages: int = 2  # one sequence of the maximum length + the null page
   concurrency: dict = dataclasses.field(default_factory=dict)
+  concurrency_held: dict = dataclasses.field(default_factory=dict)  # pool kept in training
+  phases: tuple[PhasePlan, ...] = ()
+  pool_released: bool = True  # the KV pool is freed while the trainer runs
+  pool_room: float = 0.0  # bytes the pool was sized from (before kv_cache_fraction)
+
+  def phase(self, name: str) -> PhasePlan:
+    for ph in self.phases:
+      if ph.name == name:
+        return ph
+    raise KeyError(f"no phase {name!r}; phases: {[p.name for p in self.phases]}")
+
+  @property
+  def peak_phase(self) -> PhasePlan:
+    return max(self.phases, key=lambda ph: ph.total)
 
   def item(self, name: str) -> MemoryItem:
     for it in self.items:
@@ -177,7 +218,8 @@ class MemoryPlan:
 
   @property
   def total(self) -> int:
-    return sum(i.per_device for i in self.items)
+    """Bytes per device at the step's peak: the largest phase (phases do not overlap)."""
+    return self.peak_phase.total
 
   @property
   def usable_bytes(self) -> float:
@@ -214,11 +256,22 @@ class MemoryPlan:
               f"{self.usable_bytes / GB:.2f} GB usable ({self.headroom / GB:.2f} GB headroom)")
     top = sorted(self.items, key=lambda i: -i.per_device)[:3]
     parts = ", ".join(f"{i.name} {i.per_device / GB:.2f} GB" for i in top)
-    return (f"{where} does not fit: needs {self.total / GB:.2f} GB per device but only "
-            f"{self.usable_bytes / GB:.2f} GB is usable ({self.usable_fraction:.0%} of "
-            f"{self.device_bytes / GB:.2f} GB), short by {-self.headroom / GB:.2f} GB; "
-            f"largest: {parts}. Use more devices (fsdp/tensor), a smaller batch_slots, "
-            f"context or micro-batch, or bfloat16 parameters/cache")
+    peak = self.peak_phase
+    knobs = {"rollout_decode": "num_slots=, kv_cache_fraction= or a shorter context",
+             "rollout_prefill": "num_slots= or max_prompt_len=",
+             "update": "max_tokens_per_micro_batch= / micro_batch_size=, remat=true",
+             "distill": "max_tokens_per_micro_batch= / micro_batch_size=",
+             "recompute": "logprob_max_tokens_per_micro_batch= / logprob_micro_batch_size=",
+             "reference": "logprob_max_tokens_per_micro_batch= / logprob_micro_batch_size=",
+             "probe": "logprob_max_tokens_per_micro_batch= / logprob_micro_batch_size=",
+             "update_apply": "more devices (mesh=fsdp=-1) or bfloat16 parameters"}
+    return (f"{where} does not fit: its largest phase, {peak.name}, needs "
+            f"{peak.total / GB:.2f} GB per device ({peak.program / GB:.2f} GB program + "
+            f"{peak.resident / GB:.2f} GB resident) but only {self.usable_bytes / GB:.2f} GB "
+            f"is usable ({self.usable_fraction:.0%} of {self.device_bytes / GB:.2f} GB), short "
+            f"by {-self.headroom / GB:.2f} GB; largest items: {parts}. Change "
+            f"{knobs.get(peak.name, 'the batch or context')}, or use more devices "
+            "(fsdp/tensor) or bfloat16 parameters")
 
   def format_table(self) -> str:
     w = max(len(i.name) for i in self.items) + 2
@@ -228,7 +281,15 @@ class MemoryPlan:
              f"  {'item'.ljust(w)}{'GB':>10}  note"]
     for i in self.items:
       lines.append(f"  {i.name.ljust(w)}{i.per_device / GB:>10.3f}  {i.note}")
-    lines.append(f"  {'total'.ljust(w)}{self.total / GB:>10.3f}")
+    pw = max([len(p.name) for p in self.phases] + [5]) + 2
+    lines.append(f"  phases (one at a time; the KV pool is "
+                 f"{'released while training' if self.pool_released else 'held throughout'}):")
+    lines.append(f"    {'phase'.ljust(pw)}{'program':>9}{'resident':>10}{'total':>9}  note")
+    for ph in self.phases:
+      lines.append(f"    {ph.name.ljust(pw)}{ph.program / GB:>9.3f}{ph.resident / GB:>10.3f}"
+                   f"{ph.total / GB:>9.3f}  {ph.note}")
+    lines.append(f"  {'total'.ljust(w)}{self.total / GB:>10.3f}  peak phase: "
+                 f"{self.peak_phase.name}")
     lines.append(f"  {'usable'.ljust(w)}{self.usable_bytes / GB:>10.3f}  "
                  f"{self.usable_fraction:.0%} of {self.device_bytes / GB:.2f} GB")
     lines.append(f"  {'headroom'.ljust(w)}{self.headroom / GB:>10.3f}  "
@@ -245,7 +306,36 @@ class MemoryPlan:
             "items": {i.name: i.per_device for i in self.items}, "total": self.total,
             "headroom": self.headroom, "fits": self.fits,
             "kv_pool_pages": self.kv_pool_pages, "kv_bytes_per_page": self.kv_bytes_per_page,
-            "concurrency": dict(self.concurrency)}
+            "concurrency": dict(self.concurrency),
+            "concurrency_held": dict(self.concurrency_held),
+            "phases": {p.name: {"program": p.program, "resident": p.resident,
+                                "total": p.total} for p in self.phases}}
+
+
+
+H200_BYTES = 141e9  # what a dry run plans for when no accelerator is at hand
+
+
+def device_memory_bytes(device=None, fallback: float = 0.0) -> tuple[float, str]:
+  """(bytes one device can hold, where the figure comes from): an accelerator's own limit
+  (`fallback`, else an H200's, when it reports none), or on CPU the host's available RAM
+  (what a CPU run's arrays come out of)."""
+  if device is None:
+    device = jax.devices()[0]
+  if device.platform != "cpu":
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+      return float(stats["bytes_limit"]), f"{device.device_kind} memory"
+    return (fallback or H200_BYTES,
+            f"{device.device_kind} (no memory stats: {fallback or H200_BYTES:.3g} bytes)")
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    avail = float(info["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    avail = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+  # Every CPU "device" shares the host: each gets its share.
+  return avail / max(jax.local_device_count(), 1), "host RAM available (CPU)"
 
 
 def _div_or_keep(n: int, t: int) -> int:
@@ -266,12 +356,19 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                 device_bytes: float = 141e9, usable_fraction: float = 0.9,
                 num_devices: int | None = None, kv_cache_bytes: int | None = None,
                 kv_cache_fraction: float = 0.9,
-                mean_context_len: int | None = None) -> MemoryPlan:
+                mean_context_len: int | None = None, logprob_micro_batch: int | None = None,
+                logprob_seq_len: int | None = None, logprob_topk: int = 20,
+                skip_recompute: bool = False, distill: bool = True,
+                release_kv_cache: bool = True, prefill_len: int | None = None,
+                probe: bool = False,
+                activation_dtype: str | None = None) -> MemoryPlan:
   """Per-device memory plan (see the module docstring for what each row counts).
 
   `mesh_cfg` may hold a -1 axis when `num_devices` is given; `param_dtype`, `compute_dtype`
   default to the model config's, `cache_dtype` to the compute dtype; `master_weights`
-  defaults to "param_dtype narrower than opt_dtype".
+  defaults to "param_dtype narrower than opt_dtype". `activation_dtype` (default the compute
+  dtype) is the dtype activations are held in: "float32" models XLA:CPU, which computes bf16
+  dots in float32 (`train.py --dry-run --compile` compares against such a compile).
   """
   if not isinstance(mesh_cfg, sh.MeshConfig):
     mesh_cfg = sh.parse_mesh(mesh_cfg)
@@ -344,72 +441,169 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
         f"r={lora_rank} on {','.join(lora_targets)}: {l_tot // lb / 1e6:.1f} M x {lora_dtype}"
         f" + grads + {n_mom} moments"))
 
-  # --- activations ---------------------------------------------------------------------------
+  # --- per-phase working sets (run/compile_plan.py measures the same programs) ------------
+  a = _itemsize(activation_dtype or compute_dtype)
   b = -(-train_micro_batch // groups)
   seq = train_seq_len
+  d = cfg.hidden_size
   n_h, f_d, v_d = (_div_or_keep(cfg.num_heads, t), _div_or_keep(cfg.intermediate_size, t),
                    _div_or_keep(cfg.vocab_size, t))
-  d = cfg.hidden_size
   kh = _div_or_keep(cfg.num_kv_heads, t)
-  qkvo = 2 * b * seq * (2 * n_h + 2 * kh) * cfg.head_dim * ab
-  probs = 2 * b * n_h * min(attn_chunk, seq) * seq * 4  # probabilities + cotangent
-  mlp = 2 * 3 * b * seq * f_d * ab
-  norms = 4 * b * seq * d * 4
-  layer_ws = qkvo + probs + mlp + norms
-  saved = cfg.num_layers * b * seq * d * ab
-  chunk = min(logits_chunk or seq, seq)
-  logits = 2 * b * chunk * v_d * 4
-  act = (saved + layer_ws if remat else cfg.num_layers * layer_ws) + logits
+  # One layer's activations per token (elements): x / norms / residuals, q / o, k / v, the
+  # MLP's gate / up / product.
+  e_layer = 4 * d + 2 * n_h * cfg.head_dim + 2 * kh * cfg.head_dim + 3 * f_d
+  layer_dev, _, _ = per_device_bytes(params["layers"], sizes, dtype="float32")
+  layer_elems = layer_dev // 4  # the decoder's stacked (scanned) layer weights
+  ci = _itemsize(compute_dtype)
+  chunk_tokens = logits_chunk or 128
+
+  def logits_bytes(rows_dev, rows, length):
+    c = time_chunk(chunk_tokens, rows, length)
+    return rows_dev * c * v_d * 4
+
+  def attn_bytes(rows_dev, length):
+    c = min(attn_chunk, length)
+    return rows_dev * c * n_h * length * 4
+
+  def forward_ws(rows_dev, rows, length):
+    """Temporaries of a no-grad forward (recompute, reference)."""
+    n = rows_dev * length
+    return (layer_elems * a + _RHO_FWD * n * e_layer * a + _ATTN_FWD * attn_bytes(rows_dev, length)
+            + _LOGITS_FWD * logits_bytes(rows_dev, rows, length))
+
+  def backward_ws(rows_dev, rows, length, remat_):
+    """Temporaries of a forward + backward (update, DistillSparse) besides the gradients."""
+    n = rows_dev * length
+    saved = n * cfg.num_layers * (d if remat_ else _SIGMA_NO_REMAT * e_layer) * a
+    return (layer_elems * ci + saved + _RHO_BWD * n * e_layer * a
+            + _ATTN_BWD * attn_bytes(rows_dev, length)
+            + _LOGITS_BWD * logits_bytes(rows_dev, rows, length))
+
+  act = int(backward_ws(b, train_micro_batch, seq, remat))
   items.append(MemoryItem(
       "activations", act,
-      f"{b} seq x {seq} tok per device, remat={remat}: layer inputs {saved / GB:.2f}, attn "
-      f"probs {probs / GB:.2f}, logits {logits / GB:.2f} GB"))
+      f"update micro-batch: {b} seq x {seq} tok per device, remat={remat}"))
 
   # --- FSDP all-gather buffers ---------------------------------------------------------------
+  fsdp = 0
   if sizes["fsdp"] > 1:
-    layer_dev, _, _ = per_device_bytes(
-        params["layers"][0], {"data": 1, "fsdp": 1, "tensor": t})
+    layer1, _, _ = per_device_bytes(params["layers"][0], {"data": 1, "fsdp": 1, "tensor": t})
     embed = _div_or_keep(cfg.vocab_size, t) * d * pb
-    items.append(MemoryItem("fsdp_buffers", 2 * max(layer_dev, embed),
+    fsdp = 2 * max(layer1, embed)
+    items.append(MemoryItem("fsdp_buffers", fsdp,
                             "2 gathered layers (or the embedding) per tensor shard"))
 
   # --- rollout parameters (replicated for the engine) ------------------------------------
-  if sizes["fsdp"] * t > 1 or ab < pb:
-    items.append(MemoryItem("rollout_params", n_params * min(ab, pb),
-                            f"replicated rollout copy in {compute_dtype if ab < pb else param_dtype}"))
+  rollout_params = 0
+  if sizes["fsdp"] * t > 1 or ci < pb:
+    rollout_params = n_params * min(ci, pb)
+    items.append(MemoryItem("rollout_params", rollout_params,
+                            f"replicated rollout copy in {compute_dtype if ci < pb else param_dtype}"))
 
-  # --- KV pool: what is left, in whole pages ---------------------------------------------
+  # --- phases ------------------------------------------------------------------------------
+  item = {i.name: i.per_device for i in items}
+  opt_b, ref_b, lora_b = item["optimizer"], item.get("reference", 0), item.get("lora", 0)
+  lora_params = lora_b // 4 if lora_b else 0  # factors, grads, 2 moments (float32)
+  lb_rows = logprob_micro_batch or train_micro_batch
+  lb_seq = logprob_seq_len or seq
+  lb = -(-lb_rows // groups)
+  phases: list[PhasePlan] = []
+  kv_held = 0 if release_kv_cache else None  # filled in once the pool is sized
+  train_resident = opt_b + ref_b + lora_b
+  if not skip_recompute:
+    phases.append(PhasePlan(
+        "recompute", p_dev + forward_ws(lb, lb_rows, lb_seq) + fsdp
+        + lb * lb_seq * (4 + 8 * logprob_topk), train_resident,
+        f"no-grad forward, {lb} seq x {lb_seq} tok per device"))
+  if reference_model:
+    phases.append(PhasePlan("reference", p_dev + forward_ws(lb, lb_rows, lb_seq) + fsdp,
+                            p_dev + opt_b + lora_b, "the KL reference's forward"))
+  if lora_rank > 0 and distill:
+    phases.append(PhasePlan(
+        "distill", p_dev + 2 * lora_params + backward_ws(b, train_micro_batch, seq, True) + fsdp,
+        opt_b + ref_b + 2 * lora_params, "LoRA-only forward/backward through the sparse path"))
+  if lora_rank > 0 and distill:
+    phases.append(PhasePlan("distill_apply", 4 * lora_params + int(_APPLY * lora_params),
+                            p_dev + opt_b + ref_b, "the LoRA's optimizer step"))
+  if probe:
+    phases.append(PhasePlan(
+        "probe", p_dev + lora_params + forward_ws(lb, lb_rows, lb_seq)
+        + _RHO_FWD * lb * lb_seq * e_layer * a + fsdp, opt_b + ref_b + 3 * lora_params,
+        "ladder probe: dense and sparse(+LoRA) forwards"))
+  phases.append(PhasePlan("update", 2 * p_dev + p_dev + act + fsdp, train_resident,
+                          "forward/backward: params + gradient accumulator + gradients"))
+  phases.append(PhasePlan("update_apply", p_dev + opt_b + p_dev + int(_APPLY * o_dev_elems * 4),
+                          ref_b + lora_b, "the optimizer step"))
+
+  # --- KV pool: what the rollout phase leaves, in whole pages ----------------------------
   per_page = kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, page_size=page_size, dtype=cache_dtype,
                                landmark=landmark)
   max_pages = -(-context_len // page_size)
   cap = batch_slots * max_pages + 1  # every slot at context_len (+ the null page)
-  others = sum(i.per_device for i in items)
-  left = device_bytes * usable_fraction - others
-  if kv_cache_bytes is not None:
-    pool_bytes, how = int(kv_cache_bytes), f"kv_cache_bytes={kv_cache_bytes / GB:.2f} GB"
-  else:
-    pool_bytes = int(max(left, 0.0) * kv_cache_fraction)
-    how = f"{kv_cache_fraction:.0%} of the {max(left, 0.0) / GB:.2f} GB left"
-  pool_pages = min(pool_bytes // per_page, cap)
   tables = batch_slots * (max_pages * 4 + 4)  # page table rows + lengths
-  kv = pool_pages * per_page + tables
-  usable_pages = max(pool_pages - 1, 0)
+  # While rolling out: the training state stays (params, optimizer, reference, LoRA), the
+  # engine holds its parameter copy and the pool, one decode step's or prefill's work runs.
+  rollout_resident = p_dev + train_resident
+  # A prefill runs the admitted prompts together, or one readmitted sequence alone.
+  prompt = min(prefill_len or context_len, context_len)
+  prefill_tokens = max(batch_slots * prompt, context_len)
+  prefill_ws = int(_RHO_FWD * prefill_tokens * e_layer * a + batch_slots * 3 * v_d * 4)
+  decode_ws = batch_slots * (3 * v_d * 4 + 8 * d * 4)
+  rollout_ws = rollout_params + tables + max(prefill_ws, decode_ws)
+  usable = device_bytes * usable_fraction
+  left_rollout = usable - rollout_resident - rollout_ws
+  # Held through training too (release_kv_cache=false): the pool must also fit beside the
+  # largest training phase.
+  left_train = usable - max(ph.total for ph in phases)
+  left_held = min(left_rollout, left_train)
+  left = left_rollout if release_kv_cache else left_held
+
+  def pages_for_left(room):
+    if kv_cache_bytes is not None:
+      return min(int(kv_cache_bytes) // per_page, cap)
+    return min(int(max(room, 0.0) * kv_cache_fraction) // per_page, cap)
+
+  pool_pages = pages_for_left(left)
+  if kv_cache_bytes is not None:
+    how = f"kv_cache_bytes={kv_cache_bytes / GB:.2f} GB"
+  else:
+    how = (f"{kv_cache_fraction:.0%} of the {max(left, 0.0) / GB:.2f} GB the "
+           f"{'rollout phase' if release_kv_cache else 'largest phase'} leaves")
+  pool = pool_pages * per_page
   mean_len = mean_context_len or max(context_len // 2, 1)
-  concurrency = {
-      "max_len": context_len, "mean_len": mean_len,
-      "at_max": min(batch_slots, usable_pages // max_pages),
-      "at_mean": min(batch_slots, usable_pages // -(-mean_len // page_size))}
+
+  def concurrency_of(pages):
+    usable_pages = max(pages - 1, 0)
+    return {"max_len": context_len, "mean_len": mean_len,
+            "at_max": min(batch_slots, usable_pages // max_pages),
+            "at_mean": min(batch_slots, usable_pages // -(-mean_len // page_size))}
+
+  concurrency = concurrency_of(pool_pages)
+  held = concurrency_of(pages_for_left(left_held))
   items.append(MemoryItem(
-      "kv_cache", kv,
+      "kv_cache", pool + tables,
       f"{pool_pages} pages x {page_size} tok ({how}{', capped at every slot full' if pool_pages == cap else ''}); "
       f"{per_page / 1e6:.3f} MB/page, {cache_dtype}, landmarks={landmark}; {batch_slots} "
       f"slots/device; concurrent sequences: {concurrency['at_mean']} at the mean length "
       f"{mean_len}, {concurrency['at_max']} at the max {context_len}"))
+  phases = [dataclasses.replace(ph, program=int(ph.program), resident=int(ph.resident))
+            for ph in phases]
+  phases.insert(0, PhasePlan("rollout_decode", rollout_params + pool + tables + decode_ws,
+                             rollout_resident, "decode steps: engine weights + KV pool"))
+  phases.insert(1, PhasePlan("rollout_prefill", rollout_params + pool + tables + prefill_ws,
+                             rollout_resident,
+                             f"prefill: {prefill_tokens} tokens (admitted prompts or a "
+                             "readmission)"))
+  if not release_kv_cache:
+    phases = [ph if ph.name.startswith("rollout") else
+              dataclasses.replace(ph, resident=ph.resident + pool + tables,
+                                  note=ph.note + " (+ KV pool)") for ph in phases]
 
   return MemoryPlan(
       kv_pool_pages=int(pool_pages), kv_bytes_per_page=int(per_page),
-      kv_min_pages=max_pages + 1, concurrency=concurrency,
+      kv_min_pages=max_pages + 1, concurrency=concurrency, concurrency_held=held,
+      phases=tuple(phases), pool_released=release_kv_cache, pool_room=float(max(left, 0.0)),
       model=model_cfg.name, mesh=mesh_cfg, num_devices=num_devices, device_bytes=device_bytes,
       usable_fraction=usable_fraction, param_count=n_params, param_bytes_total=p_tot,
       items=tuple(items), fallbacks=tuple(sh.summarize_fallbacks(fallbacks)))

@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparrow_jax.models.config import ModelConfig
+from sparrow_jax.models.config import ModelConfig, get_config
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import grpo, rewards as rewards_lib
 from sparrow_jax.run import sharding as sh
@@ -59,6 +59,7 @@ from sparrow_jax.run.builders import (  # noqa: F401  (re-exported)
     Preflight, _bucket, _guarded_apply, build_examples, build_model,
     build_schedule, encode_prompt, fit_prompts, make_optimizer, preflight, smollm2_gguf_path)
 from sparrow_jax.run.dry_run import plan_for_model
+from sparrow_jax.run.memory import device_memory_bytes
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.run.metrics import MetricsLogger
 from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
@@ -100,11 +101,6 @@ class Trainer:
     self.quiet = quiet
     # Everything cheap is checked before the (slow) model load.
     checked = checked or preflight(cfg, with_dataset=with_dataset)
-    model, self.tokenizer = build_model(cfg)
-    self.model_cfg: ModelConfig = model.cfg
-    self.schedule = checked.schedule
-    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend)
-    self.graphdef, params = nnx.split(model)
     sh.maybe_initialize_distributed()
     mesh_cfg = sh.parse_mesh(cfg.mesh)
     n_mesh = int(np.prod(mesh_cfg.shape)) if mesh_cfg.is_resolved else jax.device_count()
@@ -112,15 +108,26 @@ class Trainer:
       raise ValueError(f"mesh={cfg.mesh!r} needs {n_mesh} devices; {jax.device_count()} "
                        "available")
     self.mesh = sh.make_mesh(mesh_cfg, devices=jax.devices()[:n_mesh])
+    if with_dataset:  # a run that cannot fit this machine is refused before the model loads
+      self._check_memory(plan_for_model(cfg, get_config(cfg.model, dtype=cfg.dtype,
+                                                        param_dtype=cfg.param_dtype),
+                                        n_mesh, **self._plan_device()))
+    model, self.tokenizer = build_model(cfg)
+    self.model_cfg: ModelConfig = model.cfg
+    self.schedule = checked.schedule
+    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend)
+    self.graphdef, params = nnx.split(model)
     self.param_shardings = sh.param_shardings(params, self.mesh)
     self.params = sh.shard_tree(params, self.param_shardings)
     self.ref_params = (jax.tree.map(jnp.copy, self.params) if cfg.kl_coef > 0 else None)
     max_len = cfg.max_prompt_len + cfg.max_new_tokens
-    # The KV pool per device is what the memory plan leaves (the dry run prints the same
-    # plan), capped at every slot full; sequences grow into it and are preempted when it runs
-    # out.
-    self.memory_plan = plan_for_model(cfg, self.model_cfg, int(self.mesh.devices.size))
-    if not self.memory_plan.pool_fits:
+    # The KV pool per device is what the memory plan leaves for the rollout phase (the dry run
+    # prints the same plan), capped at every slot full; sequences grow into it and are
+    # preempted when it runs out.
+    self.memory_plan = plan_for_model(cfg, self.model_cfg, n_mesh, **self._plan_device())
+    if with_dataset:
+      self._check_memory(self.memory_plan)
+    elif not self.memory_plan.pool_fits:
       raise ValueError(self.memory_plan.message())
     self.engine = GenerationEngine(
         model, EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len,
@@ -204,6 +211,21 @@ class Trainer:
                                          seed=cfg.seed + 11)
       self.arrol_stop_ids = arrol_lib.stop_token_ids(self.tokenizer)
     self._build_programs()
+
+  def _plan_device(self) -> dict:
+    """The memory the plan is checked against: this machine's (an accelerator's limit, or the
+    host RAM available on CPU, where XLA holds bf16 activations in float32);
+    `device_memory_gb` only where the device reports none."""
+    dev = self.mesh.devices.flat[0]
+    nbytes, where = device_memory_bytes(dev, fallback=self.cfg.device_memory_gb * 1e9)
+    self._memory_source = where
+    return {"device_bytes": nbytes,
+            "activation_dtype": "float32" if dev.platform == "cpu" else None}
+
+  def _check_memory(self, plan) -> None:
+    if not plan.fits:
+      raise ValueError(f"{plan.message()} [per device: {self._memory_source}; plan: "
+                       "python experiments/train.py --dry-run with the same arguments]")
 
   # --- jitted programs and the micro-batch driver ----------------------------------------
   def _build_programs(self):
@@ -546,10 +568,9 @@ class Trainer:
           arrays[k] = v
     return metrics, all_finite
 
-  def distill_update(self, arrays: dict[str, np.ndarray], plan) -> dict[str, float]:
-    """DistillSparse: one LoRA-only step on the step batch, micro-batched (`plan`), teacher =
-    the old dense log-probs, with the batch's token count as the loss denominator."""
-    t0 = time.perf_counter()
+  def distill_grads(self, arrays: dict[str, np.ndarray], plan):
+    """DistillSparse's (loss, metrics, LoRA gradients) on a batch, summed over the
+    micro-batches of `plan`, each divided by the batch's token count (= one piece)."""
     cfg, progs = self.cfg, self.programs
     keys = ["tokens", "mask", "old_logp", "prompt_lens", "lengths"]
     if cfg.distill_pg_coef > 0:  # the LoRA's own truncated-IS policy gradient
@@ -566,10 +587,16 @@ class Trainer:
       acc, loss, mm = progs.distill_grad(self.lora, acc, self.params, self._place(inputs), den)
       losses.append(loss)
       per_micro.append(mm)
-    loss = jnp.sum(jnp.stack(losses))
-    self.lora, self.lora_opt_state, am = progs.distill_apply(self.lora, self.lora_opt_state,
-                                                             acc, loss)
-    out = distill_lib.combine_micro_metrics(jax.device_get(per_micro))
+    metrics = distill_lib.combine_micro_metrics(jax.device_get(per_micro))
+    return jnp.sum(jnp.stack(losses)), metrics, acc
+
+  def distill_update(self, arrays: dict[str, np.ndarray], plan) -> dict[str, float]:
+    """DistillSparse: one LoRA-only step on the step batch, micro-batched (`plan`), teacher =
+    the old dense log-probs, with the batch's token count as the loss denominator."""
+    t0 = time.perf_counter()
+    loss, out, grads = self.distill_grads(arrays, plan)
+    self.lora, self.lora_opt_state, am = self.programs.distill_apply(
+        self.lora, self.lora_opt_state, grads, loss)
     out.update({k: float(v) for k, v in jax.device_get(am).items()})
     out = {f"distill/{k}": v for k, v in out.items()}
     out["time/distill_s"] = time.perf_counter() - t0

@@ -115,12 +115,22 @@ def test_kv_pool_is_sized_from_what_is_left_in_whole_pages():
   plan = M.plan_memory(cfg, "1x1x1", kv_cache_bytes=5 * per_page + 7, **kw)
   assert plan.kv_pool_pages == 5 and plan["kv_cache"] == 5 * per_page + tables
   assert plan.kv_cache_bytes == 5 * per_page
-  # From memory: kv_cache_fraction of what the other rows leave of the usable memory.
-  dev = 5e6  # leaves room for ~33 pages: below the cap, above one sequence
-  plan = M.plan_memory(cfg, "1x1x1", device_bytes=dev, kv_cache_fraction=0.5, **kw)
-  others = sum(i.per_device for i in plan.items if i.name != "kv_cache")
-  assert plan.kv_pool_pages == int((0.9 * dev - others) * 0.5) // per_page
+  # From memory: kv_cache_fraction of what the rollout phase leaves of the usable memory
+  # (the training state stays, the engine's weights and one step's work come on top).
+  dev = 6e6  # leaves room for ~33 pages: below the cap, above one sequence
+  plan = M.plan_memory(cfg, "1x1x1", device_bytes=dev, kv_cache_fraction=0.1, **kw)
+  decode = plan.phase("rollout_decode")
+  assert plan.pool_room < 0.9 * dev - decode.resident
+  assert plan.kv_pool_pages == int(plan.pool_room * 0.1) // per_page
+  assert decode.resident == plan["params"] + plan["optimizer"]  # tiny: no reference, no LoRA
   assert 8 < plan.kv_pool_pages < 57 and plan.fits
+  # The pool lives only while rolling out: the training phases do not hold it...
+  assert plan.phase("update").resident == plan["optimizer"]
+  # ... unless release_kv_cache=False, which then must fit beside every training phase.
+  held = M.plan_memory(cfg, "1x1x1", device_bytes=dev, kv_cache_fraction=0.1,
+                       release_kv_cache=False, **kw)
+  assert held.kv_pool_pages <= plan.kv_pool_pages
+  assert held.phase("update").resident == held["optimizer"] + held["kv_cache"]
   # Capped at every slot holding the whole context (+ the null page) on a big device.
   big = M.plan_memory(cfg, "1x1x1", **kw)
   assert big.kv_pool_pages == 8 * math.ceil(100 / 16) + 1
@@ -145,29 +155,30 @@ def test_concurrency_counts_whole_sequences():
 def test_activation_estimate_definition():
   cfg = get_config("tiny")  # D=64, N=4, K=2, H=32, F=128, V=512, L=2; float32
   b, t = 2, 128
-  plan = M.plan_memory(cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=b,
-                       train_seq_len=t)
-  qkvo = 2 * b * t * (2 * 4 + 2 * 2) * 32 * 4
-  # float32 probabilities and their cotangent for one query chunk (chunks are
-  # rematerialised in the backward pass): [b, N, min(attn_chunk=256, t), t] x 2.
-  probs = 2 * b * 4 * min(256, t) * t * 4
-  mlp = 2 * 3 * b * t * 128 * 4
-  norms = 4 * b * t * 64 * 4
-  saved = 2 * b * t * 64 * 4
-  logits = 2 * b * t * 512 * 4
-  assert plan["activations"] == saved + qkvo + probs + mlp + norms + logits
-  no_remat = M.plan_memory(cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=b,
-                           train_seq_len=t, remat=False)
-  assert no_remat["activations"] == 2 * (qkvo + probs + mlp + norms) + logits
-  chunked = M.plan_memory(cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=b,
-                          train_seq_len=t, logits_chunk=32)
-  assert plan["activations"] - chunked["activations"] == logits - 2 * b * 32 * 512 * 4
-  # The micro-batch is split over data x fsdp.
-  split = M.plan_memory(cfg, "2x2x1", batch_slots=1, context_len=16, train_micro_batch=4,
-                        train_seq_len=t)
-  assert split["activations"] == M.plan_memory(
-      cfg, "1x1x1", batch_slots=1, context_len=16, train_micro_batch=1,
-      train_seq_len=t)["activations"]
+  kw = dict(batch_slots=1, context_len=16, train_seq_len=t)
+  plan = M.plan_memory(cfg, "1x1x1", train_micro_batch=b, **kw)
+  no_remat = M.plan_memory(cfg, "1x1x1", train_micro_batch=b, remat=False, **kw)
+  # With remat only each layer's input is kept; without it, its activations (e per token).
+  e_layer = 4 * 64 + 2 * 4 * 32 + 2 * 2 * 32 + 3 * 128
+  assert no_remat["activations"] - plan["activations"] == pytest.approx(
+      b * t * 2 * (M._SIGMA_NO_REMAT * e_layer - 64) * 4, abs=2)
+  # The update phase holds params, their gradient accumulator and gradients beside them.
+  upd = plan.phase("update")
+  assert upd.program == 3 * plan["params"] + plan["activations"]
+  assert upd.resident == plan["optimizer"]
+  # The micro-batch is split over data x fsdp (an LM-head chunk spans all rows: 128 tokens
+  # of 4 rows = 32 positions, one row's share on each device); fsdp also splits the stacked
+  # layer weights.
+  split = M.plan_memory(cfg, "4x1x1", train_micro_batch=4, **kw)
+  assert split["activations"] == M.plan_memory(cfg, "1x1x1", train_micro_batch=1,
+                                               logits_chunk=32, **kw)["activations"]
+  assert M.plan_memory(cfg, "1x4x1", train_micro_batch=4, **kw)["activations"] < \
+      split["activations"]
+  # More rows or longer rows: more activations; bf16 activations: fewer than float32.
+  assert M.plan_memory(cfg, "1x1x1", train_micro_batch=4, **kw)["activations"] > \
+      plan["activations"]
+  bf16 = M.plan_memory(cfg, "1x1x1", train_micro_batch=b, activation_dtype="bfloat16", **kw)
+  assert bf16["activations"] < plan["activations"]
 
 
 def test_qwen3_14b_on_32_devices_fits_quickly():
@@ -185,7 +196,9 @@ def test_qwen3_14b_on_32_devices_fits_quickly():
               "fsdp_buffers", "total", "headroom", "fits"):
     assert row in table
   assert plan.to_dict()["fits"] is True
-  assert plan.total == sum(plan.to_dict()["items"].values())
+  # The phases never overlap: the step peaks at its largest one.
+  assert plan.total == max(p["total"] for p in plan.to_dict()["phases"].values())
+  assert plan.total == plan.peak_phase.total
 
 
 def test_qwen3_32b_on_one_device_does_not_fit():
