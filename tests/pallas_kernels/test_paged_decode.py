@@ -184,7 +184,7 @@ def test_every_output_element_written(config):
   """NaN-poisoned output buffers aliased to the kernel's outputs: nothing may stay NaN, even in
   splits that see no page (the length-1 sequence leaves 3 of 4 splits empty)."""
   case = _case(6, 2, 64, 16, jnp.float32)
-  b, kvh, rows, d, r = 4, 2, 16, 64, config.k_splits
+  b, kvh, rows, d, r = 4, 2, 2, 64, config.k_splits  # G = 2: 2 partial rows
   poison = (jnp.full((b, kvh, r, rows, d), jnp.nan), jnp.full((b, kvh, r, rows), jnp.nan),
             jnp.full((b, kvh, r, rows), jnp.nan))
   o, l, m = pd.paged_decode_partials(*case, config=config, interpret=True, poison=poison)

@@ -132,7 +132,7 @@ def test_every_output_element_written(config):
                     max_pages=16, dtype=jnp.float32)
   q, k_pages, v_pages, table, lengths = case
   page_idx, valid = select(q, k_pages, table, lengths, BUDGETS, MAX_BUDGET)
-  b, kvh, rows, d = 4, 2, 16, 64
+  b, kvh, rows, d = 4, 2, 2, 64  # G = 2 query heads per kv head: 2 partial rows
   r = config.k_splits
   poison = (jnp.full((b, kvh, r, rows, d), jnp.nan), jnp.full((b, kvh, r, rows), jnp.nan),
             jnp.full((b, kvh, r, rows), jnp.nan))
