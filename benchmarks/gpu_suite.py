@@ -90,9 +90,12 @@ FULL = Sizes(
     check_shapes=((8, 16, 8, 128, 8192), (4, 32, 8, 128, 4096), (4, 16, 2, 64, 2048)),
     check_budget=64, copy_mib=4096, repeats=7, inner=5,
     sparse_config=SparseDecodeConfig(),
-    dense_configs=(PagedDecodeConfig(),
+    # The default sizes its splits to the work; k_splits=8 is the old fixed split count.
+    # ppb=16 runs with 8 warps: at 4 it spills (benchmarks/kernel_compile.py).
+    dense_configs=(PagedDecodeConfig(), PagedDecodeConfig(k_splits=8),
                    PagedDecodeConfig(k_splits=4), PagedDecodeConfig(k_splits=16),
-                   PagedDecodeConfig(pages_per_block=4), PagedDecodeConfig(pages_per_block=16),
+                   PagedDecodeConfig(pages_per_block=4),
+                   PagedDecodeConfig(pages_per_block=16, num_warps=8),
                    PagedDecodeConfig(num_warps=8), PagedDecodeConfig(num_stages=3)),
     jax_paged=dict(k_splits=16, pages_per_compute_block=8))
 

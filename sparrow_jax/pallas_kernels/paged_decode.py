@@ -59,12 +59,13 @@ class PagedDecodeConfig:
   """Static launch parameters of the dense paged decode kernel.
 
   k_splits: splits of a sequence's pages (flash-decoding split-K); None sizes them to the work
-    (`split_k.num_splits`: enough programs for `target_programs`, never more splits than
+    (`split_k.num_splits`: whole waves of `resident_programs`, never more splits than
     blocks of the page table).
   pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
     (a power of two, >= 16); 8 pages of 16 tokens = 128 rows, a 128 x 128 bf16 tile.
   num_warps, num_stages: Triton launch parameters.
-  target_programs: programs (B * K * splits) the sized split count aims at.
+  resident_programs: programs the GPU runs at once (SMs x resident blocks), the unit of a wave
+    for the sized split count.
   page_size, head_dim, dtype: optional block shape the config is built for; when all three are
     given, a block whose shared memory is over an H200's 227 KiB is refused here (a kernel
     call always checks its own shapes).
@@ -73,7 +74,7 @@ class PagedDecodeConfig:
   pages_per_block: int = 8
   num_warps: int = 4
   num_stages: int = 2
-  target_programs: int = split_k.TARGET_PROGRAMS
+  resident_programs: int = split_k.RESIDENT_PROGRAMS
   page_size: int | None = None
   head_dim: int | None = None
   dtype: str | None = None
@@ -114,7 +115,8 @@ def _paged_decode_kernel(
     phys = page_table_ref[jnp.minimum(logical, num_pages - 1)]  # [ppb] physical page ids
     k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D] cache dtype
     v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
-    logits = plgpu.dot(q, k, trans_b=True) * sm_scale  # [Gp, ppb*S] float32
+    logits = plgpu.dot(q, k, trans_b=True,
+                       precision=split_k.DOT_PRECISION) * sm_scale  # [Gp, ppb*S] f32
     pos = first * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, ppb*S]
     tok_ok = pos < length
     logits = jnp.where(tok_ok, logits, MASK_VALUE)
@@ -122,7 +124,8 @@ def _paged_decode_kernel(
     corr = jnp.exp(m_prev - m_next)  # [Gp]
     p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
     l_next = corr * l_prev + p.sum(axis=-1)
-    o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=split_k.DOT_PRECISION)  # [Gp, D] f32
+    o_next = corr[:, None] * o_prev + pv
     return o_next, m_next, l_next
 
   # Blocks of this split: split, split + k_splits, ... below the sequence's block count.
@@ -183,7 +186,7 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, lengths, *, sm_scale=
   # The longest sequence has at most the table's M pages: no more splits than its blocks.
   splits = split_k.num_splits(config.k_splits, batch=b, kv_heads=kvh,
                               num_blocks=-(-page_table.shape[1] // ppb),
-                              target_programs=config.target_programs)
+                              resident_programs=config.resident_programs)
 
   out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, rows, d)
   in_specs = [

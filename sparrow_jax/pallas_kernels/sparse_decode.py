@@ -48,12 +48,13 @@ class SparseDecodeConfig:
   """Static launch parameters of the sparse decode kernel.
 
   k_splits: splits of the selection slots (flash-decoding split-K); None sizes them to the
-    work (`split_k.num_splits`: enough programs for `target_programs`, never more splits than
+    work (`split_k.num_splits`: whole waves of `resident_programs`, never more splits than
     blocks of slots).
   pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
     (power of two, >= 16).
   num_warps, num_stages: Triton launch parameters.
-  target_programs: programs (B * K * splits) the sized split count aims at.
+  resident_programs: programs the GPU runs at once (SMs x resident blocks), the unit of a wave
+    for the sized split count.
   page_size, head_dim, dtype: optional block shape the config is built for; when all three are
     given, a block whose shared memory is over an H200's 227 KiB is refused here (a kernel
     call always checks its own shapes).
@@ -62,7 +63,7 @@ class SparseDecodeConfig:
   pages_per_block: int = 4
   num_warps: int = 4
   num_stages: int = 2
-  target_programs: int = split_k.TARGET_PROGRAMS
+  resident_programs: int = split_k.RESIDENT_PROGRAMS
   page_size: int | None = None
   head_dim: int | None = None
   dtype: str | None = None
@@ -105,7 +106,8 @@ def _sparse_decode_kernel(
     phys = page_table_ref[logical]  # [ppb] physical page ids
     k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
     v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
-    logits = plgpu.dot(q, k, trans_b=True) * sm_scale  # [Gp, ppb*S] float32
+    logits = plgpu.dot(q, k, trans_b=True,
+                       precision=split_k.DOT_PRECISION) * sm_scale  # [Gp, ppb*S] f32
     pos = logical[:, None] * page_size + lax.broadcasted_iota(
         jnp.int32, (pages_per_block, page_size), 1)  # [ppb, S] token positions
     tok_ok = (slot_ok[:, None] & (pos < length)).reshape(1, block_k)  # [1, ppb*S]
@@ -114,7 +116,8 @@ def _sparse_decode_kernel(
     corr = jnp.exp(m_prev - m_next)  # [Gp]
     p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
     l_next = corr * l_prev + p.sum(axis=-1)
-    o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=split_k.DOT_PRECISION)  # [Gp, D] f32
+    o_next = corr[:, None] * o_prev + pv
     return o_next, m_next, l_next
 
   # Blocks of this split: split, split + k_splits, ... below the active block count.
@@ -178,7 +181,7 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
   n = page_idx.shape[-1]
   n_pad = -(-n // ppb) * ppb
   splits = split_k.num_splits(config.k_splits, batch=b, kv_heads=kvh, num_blocks=n_pad // ppb,
-                              target_programs=config.target_programs)
+                              resident_programs=config.resident_programs)
   valid = valid.astype(jnp.int32)
   page_idx = page_idx.astype(jnp.int32)
   if n_pad != n:

@@ -8,13 +8,14 @@ zero padded to Gp rows in registers, but only Gr = next_pow2(G) rows of the floa
 rows per split, not 16. `merge_partials` combines the R splits in XLA (flash-decoding's final
 rescale-and-sum).
 
-How many splits. A fixed R wastes the GPU either way: batch 64 x 8 kv heads is already 512
-programs (3.9 per SM on an H200's 132 SMs) without splitting, while batch 1 needs ~50 splits to
-fill the GPU; and splits beyond the number of key blocks stay empty. `num_splits` therefore
-sizes R to the work: enough programs for `target_programs` (132 SMs x 3 resident blocks, what
-the kernels' ~150 registers and <= 72 KB of shared memory leave per SM), never more splits than
-blocks of keys (the static page-table width for dense, the selection slots for sparse), so no
-split of the longest sequence is empty. A config may still fix `k_splits`.
+How many splits. A fixed R wastes the GPU either way: batch 4 x 8 kv heads x 8 splits is 256
+programs where an H200 holds 396 at once (132 SMs x 3 resident blocks, what the kernels' ~150
+registers and <= 72 KB of shared memory allow), while splits beyond the number of key blocks stay
+empty. `num_splits` sizes R to the work with a wave model: a call takes about
+ceil(B K R / resident) waves of ceil(blocks / R) key blocks each, and R is the fewest splits
+within 5% of the best time, never more than the blocks of keys (the static page-table width for
+dense, the selection slots for sparse), so no split of the longest sequence is empty. A config
+may still fix `k_splits`.
 
 Shared memory. With `num_stages >= 2` Triton's pipeliner stages the next K and V blocks in
 shared memory (`cp.async`), so a block of `pages_per_block * page_size` keys costs at least
@@ -29,15 +30,24 @@ rows, R = k_splits, D head dim.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 MIN_DOT = 16  # Triton dot needs M, N, K >= 16
+# The kernels' dots do not follow `jax_default_matmul_precision`: with "highest" a float32 dot
+# becomes an FMA loop that spills and needs 264 KiB of shared memory at the default block. Pinned
+# to DEFAULT they run on tensor cores: bf16 operands as they are, float32 ones as TF32 (what
+# XLA's own float32 matmuls do on the GPU by default). Accumulation is float32 either way.
+DOT_PRECISION = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
 SHARED_LIMIT_BYTES = 227 * 1024  # H200 (sm_90) dynamic shared memory per block
 NUM_SMS = 132  # H200
-TARGET_PROGRAMS = 3 * NUM_SMS  # three resident blocks per SM (registers and shared memory)
+RESIDENT_PROGRAMS = 3 * NUM_SMS  # three resident blocks per SM (registers and shared memory)
+MAX_SPLITS = 64
+SPLIT_TOLERANCE = 1.05  # fewest splits whose modelled time is within 5% of the best
 
 
 def is_pow2(x: int) -> bool:
@@ -83,7 +93,7 @@ def check_launch_config(config) -> None:
   if config.k_splits is not None and not _positive_int(config.k_splits):
     raise ValueError(f"{cls}.k_splits={config.k_splits!r}: expected a positive int or None "
                      "(sized to the work)")
-  for name in ("pages_per_block", "num_warps", "num_stages", "target_programs"):
+  for name in ("pages_per_block", "num_warps", "num_stages", "resident_programs"):
     value = getattr(config, name)
     if not _positive_int(value):
       raise ValueError(f"{cls}.{name}={value!r}: expected a positive int")
@@ -131,16 +141,23 @@ def check_kernel_dims(head_dim: int, page_size: int, pages_per_block: int) -> No
 
 
 def num_splits(k_splits, *, batch: int, kv_heads: int, num_blocks: int,
-               target_programs: int = TARGET_PROGRAMS) -> int:
+               resident_programs: int = RESIDENT_PROGRAMS) -> int:
   """Splits R per (sequence, kv head): `k_splits` when fixed, else sized to the work.
 
-  Sized: the fewest splits that give `target_programs` programs (B * K * R), at most
-  `num_blocks` (the key blocks of the longest sequence or the selection) so none is empty.
+  Sized: the modelled time of R splits is ceil(B K R / resident_programs) waves of
+  ceil(num_blocks / R) blocks; R is the fewest in 1..min(num_blocks, MAX_SPLITS) within
+  SPLIT_TOLERANCE of the best (so no split of the longest sequence is empty).
   """
   if k_splits is not None:
     return k_splits
-  want = -(-target_programs // max(batch * kv_heads, 1))
-  return max(1, min(want, num_blocks))
+  programs = max(batch * kv_heads, 1)
+  top = max(1, min(num_blocks, MAX_SPLITS))
+
+  def waves_x_blocks(r):
+    return math.ceil(programs * r / resident_programs) * math.ceil(num_blocks / r)
+
+  best = min(waves_x_blocks(r) for r in range(1, top + 1))
+  return next(r for r in range(1, top + 1) if waves_x_blocks(r) <= SPLIT_TOLERANCE * best)
 
 
 def padded_queries(q, kv_heads: int):
@@ -260,7 +277,7 @@ def launch_summary(config, *, batch: int, kv_heads: int, group: int, head_dim: i
   """Programs launched and float32 partial bytes written (and read back by the merge) for one
   kernel call: what `BENCHMARKS.md` tabulates before/after sizing the splits."""
   splits = num_splits(config.k_splits, batch=batch, kv_heads=kv_heads, num_blocks=num_blocks,
-                      target_programs=config.target_programs)
+                      resident_programs=config.resident_programs)
   rows = partial_rows(group)
   return dict(k_splits=splits, programs=batch * kv_heads * splits, partial_rows=rows,
               partial_bytes=batch * kv_heads * splits * rows * (head_dim + 2) * 4,
