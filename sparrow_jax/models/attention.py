@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
-from sparrow_jax.pallas_kernels import dispatch, selection, sparse_decode, teacher_forced
+from sparrow_jax.pallas_kernels import dispatch, selection, teacher_forced
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,11 +104,8 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
     raise ValueError(f"cache page_size={cache.page_size} differs from the attention spec's "
                      f"page_size={spec.page_size}")
   backend = dispatch.resolve_backend(spec.backend)
-  config = None
-  slot_multiple = 1
-  if backend in (dispatch.Backend.PALLAS, dispatch.Backend.PALLAS_INTERPRET):
-    config = sparse_decode.SparseDecodeConfig()
-    slot_multiple = config.slot_multiple()
+  config = dispatch.default_config(backend)  # None for XLA
+  slot_multiple = 1 if config is None else config.slot_multiple()
   lm = lms[0] if spec.kind == selection.LandmarkKind.MEAN else lms
   page_idx, valid = selection.select_decode_pages(
       q, lm, cache.page_table, lengths, budgets, kind=spec.kind, max_budget=spec.max_budget,

@@ -211,7 +211,8 @@ class TrainConfig:
                "distill_kind": ("k3", "reverse_kl_full"),
                "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
                "arith_template": ("boxed", "raw"),
-               "attention_backend": ("auto", "xla", "pallas", "pallas_interpret")}
+               "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
+                                     "pallas_tpu_interpret")}
     for f, ok in choices.items():
       if getattr(self, f) not in ok:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected one of {ok}")
