@@ -2,8 +2,8 @@
 
 `Backend` names the implementations; `resolve_backend` turns `AUTO` into a concrete one once
 (Pallas Triton on a GPU, Pallas Mosaic on a TPU, XLA elsewhere) and refuses a backend that
-cannot run here: there is no silent fallback. `sparse_decode_attention` (selected pages) and `dense_decode_attention` (all of
-a sequence's pages) are the entry points the decoder calls.
+cannot run here: there is no silent fallback. `sparse_decode_attention` (selected pages) and
+`dense_decode_attention` (all of a sequence's pages) are the entry points the decoder calls.
 
                     sparse                                 dense
   XLA               `reference.sparse_decode_reference`    `paged_decode.dense_decode_xla`
