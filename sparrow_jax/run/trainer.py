@@ -99,7 +99,8 @@ class Trainer:
     model, self.tokenizer = build_model(cfg)
     self.model_cfg: ModelConfig = model.cfg
     self.schedule = checked.schedule
-    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend)
+    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend,
+                                    landmark_dtype=cfg.landmark_dtype)
     self.graphdef, params = nnx.split(model)
     sh.maybe_initialize_distributed()
     mesh_cfg = sh.parse_mesh(cfg.mesh)
@@ -277,7 +278,8 @@ class Trainer:
 
   def _switch_schedule(self, schedule: SparsitySchedule) -> None:
     self.schedule = schedule
-    self.attention = attention_spec(schedule, backend=self.cfg.attention_backend)
+    self.attention = attention_spec(schedule, backend=self.cfg.attention_backend,
+                                    landmark_dtype=self.cfg.landmark_dtype)
     self.engine.set_attention(self.attention, None if schedule.is_dense else schedule)
     if self.cfg.distill:
       self._build_distill()
