@@ -12,7 +12,8 @@ How many splits. A fixed R wastes the GPU either way: batch 4 x 8 kv heads x 8 s
 programs where an H200 holds 396 at once (132 SMs x 3 resident blocks, what the kernels' ~150
 registers and <= 72 KB of shared memory allow), while splits beyond the number of key blocks stay
 empty. `num_splits` sizes R to the work with a wave model: a call takes about
-ceil(B K R / resident) waves of ceil(blocks / R) key blocks each, and R is the fewest splits
+ceil(B K R / resident) waves of ceil(blocks / R) + 1 key blocks each (one block's worth of
+unhidden first load and partial write per program), and R is the fewest splits
 within 5% of the best time, never more than the blocks of keys (the static page-table width for
 dense, the selection slots for sparse), so no split of the longest sequence is empty. A config
 may still fix `k_splits`.
@@ -145,8 +146,10 @@ def num_splits(k_splits, *, batch: int, kv_heads: int, num_blocks: int,
   """Splits R per (sequence, kv head): `k_splits` when fixed, else sized to the work.
 
   Sized: the modelled time of R splits is ceil(B K R / resident_programs) waves of
-  ceil(num_blocks / R) blocks; R is the fewest in 1..min(num_blocks, MAX_SPLITS) within
-  SPLIT_TOLERANCE of the best (so no split of the longest sequence is empty).
+  ceil(num_blocks / R) + 1 blocks (the + 1: a program's first block load is not hidden by the
+  pipeline, and its partials are written and merged); R is the fewest in
+  1..min(num_blocks, MAX_SPLITS) within SPLIT_TOLERANCE of the best (so no split of the longest
+  sequence is empty).
   """
   if k_splits is not None:
     return k_splits
@@ -154,7 +157,7 @@ def num_splits(k_splits, *, batch: int, kv_heads: int, num_blocks: int,
   top = max(1, min(num_blocks, MAX_SPLITS))
 
   def waves_x_blocks(r):
-    return math.ceil(programs * r / resident_programs) * math.ceil(num_blocks / r)
+    return math.ceil(programs * r / resident_programs) * (math.ceil(num_blocks / r) + 1)
 
   best = min(waves_x_blocks(r) for r in range(1, top + 1))
   return next(r for r in range(1, top + 1) if waves_x_blocks(r) <= SPLIT_TOLERANCE * best)

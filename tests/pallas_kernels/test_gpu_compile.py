@@ -143,3 +143,25 @@ def test_ptxas_parsing_and_occupancy():
   assert gpu_compile.blocks_per_sm(64, 0, 4) == 8  # registers: 32 warps
   assert gpu_compile.blocks_per_sm(32, 0, 4) == 16  # warps: 64 per SM
   assert gpu_compile.blocks_per_sm(32, 300 * 1024, 4) == 0  # does not fit at all
+
+
+def test_splits_are_sized_to_the_work():
+  n = functools.partial(split_k.num_splits, None)
+  assert split_k.num_splits(8, batch=64, kv_heads=8, num_blocks=2) == 8  # fixed: as given
+  assert n(batch=1, kv_heads=8, num_blocks=1) == 1
+  for batch in (1, 4, 16, 64, 256):
+    for blocks in (3, 64, 272):
+      r = n(batch=batch, kv_heads=8, num_blocks=blocks)
+      assert 1 <= r <= blocks  # no empty split for the longest sequence
+  # Small batches split more than the old fixed 8 (256 programs < 396 resident), large ones
+  # less (64 x 8 = 512 programs already fill the H200).
+  assert n(batch=4, kv_heads=8, num_blocks=272) > 8
+  assert n(batch=64, kv_heads=8, num_blocks=272) < 8
+  assert 4 * 8 * n(batch=4, kv_heads=8, num_blocks=272) <= split_k.RESIDENT_PROGRAMS
+  # The kernels launch that grid (B, K, R) and write next_pow2(G) partial rows.
+  args = _dense_args(jnp.bfloat16)  # B=4, K=8, M=32 pages = 4 blocks of 8
+  (call,) = triton_calls_or_skip(functools.partial(pd.paged_decode, config=pd.PagedDecodeConfig()),
+                                 *args)
+  assert call.grid == (4, 8, n(batch=4, kv_heads=8, num_blocks=4))
+  out = jax.eval_shape(functools.partial(pd.paged_decode_partials, interpret=True), *args)
+  assert out[0].shape == (4, 8, n(batch=4, kv_heads=8, num_blocks=4), 2, 128)

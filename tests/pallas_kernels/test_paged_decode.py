@@ -195,6 +195,15 @@ def test_every_output_element_written(config):
   _check(out, numpy_dense_decode(*case), jnp.float32)
 
 
+@pytest.mark.parametrize("group", [3, 5])
+def test_default_config_and_groups_that_are_not_powers_of_two(group):
+  """The default config (splits sized to the work) with G = 3 (SmolLM2) and 5 (Qwen3-14B):
+  4 and 8 partial rows are written from the 16-row dot, rows >= G dropped by the merge."""
+  case = _case(30 + group, group, 64, 16, jnp.float32)
+  out = run_kernel(*case, pd.PagedDecodeConfig())
+  _check(out, numpy_dense_decode(*case), jnp.float32)
+
+
 def test_dispatch_backends():
   has_gpu = any(d.platform == "gpu" for d in jax.devices())
   case = _case(8, 4, 64, 16, jnp.float32)

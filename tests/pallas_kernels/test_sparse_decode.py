@@ -146,6 +146,16 @@ def test_every_output_element_written(config):
                              rtol=1e-5)
 
 
+@pytest.mark.parametrize("group", [3, 5])
+def test_default_config_and_groups_that_are_not_powers_of_two(group):
+  rng = np.random.default_rng(40 + group)
+  case = make_cache(rng, batch=4, heads=2 * group, kv_heads=2, head_dim=64, lengths=LENGTHS,
+                    max_pages=16, dtype=jnp.float32)
+  page_idx, valid = select(case[0], case[1], case[3], case[4], BUDGETS, MAX_BUDGET)
+  out = run_kernel(*case, page_idx, valid, sd.SparseDecodeConfig())
+  _check(out, numpy_sparse_decode(*case, page_idx, valid), jnp.float32)
+
+
 def test_full_budget_equals_dense_decode():
   rng = np.random.default_rng(11)
   case = make_cache(rng, batch=4, heads=8, kv_heads=2, head_dim=64, lengths=LENGTHS,
