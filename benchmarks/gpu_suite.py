@@ -12,8 +12,10 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           (bytes read + written / time): the roofline the kernels are held to.
   c sparse_bandwidth      the sparse kernel at batch 64, 32K context, Qwen3-1.7B attention
                           (16 q / 8 kv heads x 128, bf16 cache, page 16), budgets 64-512 pages:
-                          bytes of the selected K/V pages / kernel time, and as % of (b); also
-                          the whole sparse step (page scoring + top-k + kernel).
+                          bytes of the selected K/V pages / kernel time, and as % of (b); page
+                          scoring (landmark gather + scores) with float32 and with bf16
+                          landmarks, top-k, and the whole sparse step (scoring + top-k +
+                          kernel) with either landmark dtype.
   d dense_baseline        dense paged decode at the same shape: our kernel (a few launch
                           configs), jax's `pallas.ops.gpu.paged_attention` and the XLA path, in
                           ms and GB/s of the sequences' own K/V pages.
@@ -90,9 +92,12 @@ FULL = Sizes(
     check_shapes=((8, 16, 8, 128, 8192), (4, 32, 8, 128, 4096), (4, 16, 2, 64, 2048)),
     check_budget=64, copy_mib=4096, repeats=7, inner=5,
     sparse_config=SparseDecodeConfig(),
-    dense_configs=(PagedDecodeConfig(),
+    # The default sizes its splits to the work; k_splits=8 is the old fixed split count.
+    # ppb=16 runs with 8 warps: at 4 it spills (benchmarks/kernel_compile.py).
+    dense_configs=(PagedDecodeConfig(), PagedDecodeConfig(k_splits=8),
                    PagedDecodeConfig(k_splits=4), PagedDecodeConfig(k_splits=16),
-                   PagedDecodeConfig(pages_per_block=4), PagedDecodeConfig(pages_per_block=16),
+                   PagedDecodeConfig(pages_per_block=4),
+                   PagedDecodeConfig(pages_per_block=16, num_warps=8),
                    PagedDecodeConfig(num_warps=8), PagedDecodeConfig(num_stages=3)),
     jax_paged=dict(k_splits=16, pages_per_compute_block=8))
 
@@ -117,16 +122,19 @@ class Run:
   """What the sections share: sizes, backend, cache dtype, the time guard and a cache of
   built inputs / measured copy bandwidth."""
 
-  def __init__(self, sizes: Sizes, smoke: bool, budget_s: float):
+  def __init__(self, sizes: Sizes, smoke: bool, budget_s: float, *, backend=None,
+               engine: dict | None = None):
     self.sizes = sizes
     self.smoke = smoke
-    self.backend = dispatch.Backend.PALLAS_INTERPRET if smoke else dispatch.Backend.PALLAS
+    if backend is None:
+      backend = dispatch.Backend.PALLAS_INTERPRET if smoke else dispatch.Backend.PALLAS
+    self.backend = backend
     self.dtype = jnp.bfloat16
     self.total_deadline = time.monotonic() + budget_s
     self.deadline = self.total_deadline
     self.skipped: list[str] = []
     self.cache: dict = {}
-    self.engine = SMOKE_ENGINE if smoke else FULL_ENGINE
+    self.engine = engine if engine is not None else (SMOKE_ENGINE if smoke else FULL_ENGINE)
 
   def start_section(self, budget_s: float):
     self.deadline = min(time.monotonic() + budget_s, self.total_deadline)
@@ -297,10 +305,25 @@ def copy_bandwidth(run: Run) -> dict:
 
 @section("c", "sparse_bandwidth", budget_s=120)
 def sparse_bandwidth(run: Run) -> dict:
+  """Per budget: the kernel alone (bytes of the selected K/V / time), top-k alone, and the whole
+  step; page scoring (landmark gather + scores, independent of the budget) is timed once per
+  landmark dtype: float32 and bfloat16 (`landmark_dtype`, half the bytes)."""
   z = run.sizes
   case = bench_case(run)
+  q, k_pages, _, table, lengths = case
   copy = copy_gbps(run)
-  lm = selection.compute_landmarks(case[1], jnp.full(case[1].shape[:2], z.page_size), "mean")
+  lm32 = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], z.page_size), "mean")
+  landmarks = {"float32": lm32, "bfloat16": lm32.astype(jnp.bfloat16)}  # [K, P, D]
+  score = jax.jit(lambda q, lm, table: selection.score_pages(
+      q, selection.gather_landmarks(lm, table), "mean"))
+  score_ms, lm_bytes = {}, {}
+  for name, lm in landmarks.items():
+    if run.has_time(f"score {name}"):
+      score_ms[name] = run.time_ms(score, q, lm, table)
+      lm_bytes[name] = int(np.prod(table.shape)) * z.kv_heads * z.head_dim * lm.dtype.itemsize
+  scores = score(q, lm32, table)  # [B, K, M]
+  num_pages = (lengths + z.page_size - 1) // z.page_size
+  slot_multiple = z.sparse_config.slot_multiple()
   rows = []
   for budget in z.budgets:
     if not run.has_time(f"budget {budget}"):
@@ -310,23 +333,27 @@ def sparse_bandwidth(run: Run) -> dict:
     attend = jax.jit(functools.partial(dispatch.sparse_decode_attention, backend=run.backend,
                                        config=z.sparse_config))
     kernel_ms = run.time_ms(attend, *case, page_idx, valid)
+    topk = jax.jit(functools.partial(selection.select_pages, max_budget=budget,
+                                     slot_multiple=slot_multiple))
+    topk_ms = run.time_ms(topk, scores, num_pages, budgets)
 
     def step(q, k_pages, v_pages, table, lengths, lm, budgets, max_budget):
       idx, ok = selection.select_decode_pages(
           q, lm, table, lengths, budgets, kind="mean", max_budget=max_budget,
-          page_size=z.page_size, slot_multiple=z.sparse_config.slot_multiple())
+          page_size=z.page_size, slot_multiple=slot_multiple)
       return dispatch.sparse_decode_attention(q, k_pages, v_pages, table, lengths, idx, ok,
                                               backend=run.backend, config=z.sparse_config)
 
-    step_ms = run.time_ms(jax.jit(functools.partial(step, max_budget=budget)), *case, lm,
-                          budgets)
+    step_fn = jax.jit(functools.partial(step, max_budget=budget))
+    step_ms = {name: run.time_ms(step_fn, *case, lm, budgets) for name, lm in landmarks.items()}
     nbytes = page_bytes(run, valid.sum())
     gbps = nbytes / kernel_ms / 1e6
     rows.append(dict(budget=budget, selected_pages=int(valid.sum()), kv_bytes=nbytes,
                      kernel_ms=kernel_ms, kernel_gbps=gbps, pct_of_copy=100 * gbps / copy,
-                     step_ms=step_ms))
+                     topk_ms=topk_ms, step_ms=step_ms["float32"],
+                     step_ms_bf16_landmarks=step_ms["bfloat16"]))
   return dict(shape=_bench_shape(run), config=dataclasses.asdict(z.sparse_config),
-              copy_gbps=copy, rows=rows)
+              copy_gbps=copy, score_ms=score_ms, landmark_bytes=lm_bytes, rows=rows)
 
 
 @section("d", "dense_baseline", budget_s=150)
@@ -405,7 +432,8 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
         lms.append(())
       else:
         lm = selection.compute_landmarks(k, jnp.full(k.shape[:2], k.shape[2]), kind)
-        lms.append(lm if isinstance(lm, tuple) else (lm,))
+        lm = lm if isinstance(lm, tuple) else (lm,)
+        lms.append(tuple(x.astype(old.dtype) for x, old in zip(lm, kv.landmarks[i])))
     lengths = jnp.zeros_like(kv.lengths).at[:num_seqs].set(context)
     return kv.replace(k=tuple(ks), v=tuple(vs), landmarks=tuple(lms), lengths=lengths)
 
@@ -503,14 +531,15 @@ def _write(path, record):
   os.replace(tmp, path)
 
 
-def parse_sections(text: str) -> list[Section]:
-  by_name = {s.name: s for s in SECTIONS.values()}
+def parse_sections(text: str, sections: dict | None = None) -> list[Section]:
+  sections = SECTIONS if sections is None else sections
+  by_name = {s.name: s for s in sections.values()}
   chosen = []
   for item in (t.strip() for t in text.split(",") if t.strip()):
-    found = SECTIONS.get(item) or by_name.get(item)
+    found = sections.get(item) or by_name.get(item)
     if found is None:
       raise ValueError(f"--sections item {item!r}: expected one of "
-                       f"{[f'{s.letter} ({s.name})' for s in SECTIONS.values()]}")
+                       f"{[f'{s.letter} ({s.name})' for s in sections.values()]}")
     if found not in chosen:
       chosen.append(found)
   if not chosen:
@@ -518,11 +547,35 @@ def parse_sections(text: str) -> list[Section]:
   return chosen
 
 
-def main(argv=None) -> int:
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """What differs between this GPU suite and its TPU twin (`tpu_suite.py`): the sections, the
+  sizes, the engine shape, the kernel backend and the platform the full run needs."""
+  name: str
+  platform: str
+  sections: dict
+  full: Sizes
+  smoke: Sizes
+  full_engine: dict
+  smoke_engine: dict
+  backend: object
+  smoke_backend: object
+  doc: str
+
+
+def gpu_suite() -> Suite:
+  return Suite(name="gpu_suite", platform="gpu", sections=SECTIONS, full=FULL, smoke=SMOKE,
+               full_engine=FULL_ENGINE, smoke_engine=SMOKE_ENGINE,
+               backend=dispatch.Backend.PALLAS, smoke_backend=dispatch.Backend.PALLAS_INTERPRET,
+               doc=__doc__)
+
+
+def main(argv=None, suite: Suite | None = None) -> int:
+  suite = gpu_suite() if suite is None else suite
   argv = sys.argv[1:] if argv is None else list(argv)
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(description=suite.doc.split("\n")[0])
   ap.add_argument("--out", required=True, help="JSON file to write")
-  ap.add_argument("--sections", default=",".join(SECTIONS),
+  ap.add_argument("--sections", default=",".join(suite.sections),
                   help="comma-separated section letters or names (default: all)")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes on CPU, kernels in interpret mode")
@@ -530,23 +583,26 @@ def main(argv=None) -> int:
                   help="time guard of the whole run in seconds (default 450)")
   args = ap.parse_args(argv)
   try:
-    chosen = parse_sections(args.sections)
+    chosen = parse_sections(args.sections, suite.sections)
   except ValueError as e:
-    print(f"gpu_suite: {e}", file=sys.stderr)
+    print(f"{suite.name}: {e}", file=sys.stderr)
     return 2
   out_dir = os.path.dirname(os.path.abspath(args.out))
   if not os.path.isdir(out_dir):
-    print(f"gpu_suite: --out={args.out!r}: directory {out_dir} does not exist", file=sys.stderr)
+    print(f"{suite.name}: --out={args.out!r}: directory {out_dir} does not exist",
+          file=sys.stderr)
     return 2
   if not args.budget_s > 0:
-    print(f"gpu_suite: --budget-s={args.budget_s}: expected > 0", file=sys.stderr)
+    print(f"{suite.name}: --budget-s={args.budget_s}: expected > 0", file=sys.stderr)
     return 2
-  if not args.smoke and jax.default_backend() != "gpu":
-    print(f"gpu_suite: the full suite needs a GPU (jax backend is {jax.default_backend()!r}); "
-          "use --smoke on CPU", file=sys.stderr)
+  if not args.smoke and jax.default_backend() != suite.platform:
+    print(f"{suite.name}: the full suite needs a {suite.platform.upper()} (jax backend is "
+          f"{jax.default_backend()!r}); use --smoke on CPU", file=sys.stderr)
     return 2
 
-  run = Run(SMOKE if args.smoke else FULL, args.smoke, args.budget_s)
+  run = Run(suite.smoke if args.smoke else suite.full, args.smoke, args.budget_s,
+            backend=suite.smoke_backend if args.smoke else suite.backend,
+            engine=suite.smoke_engine if args.smoke else suite.full_engine)
   record = dict(meta=meta(argv), smoke=args.smoke, sections={})
   _write(args.out, record)
   t_start = time.monotonic()

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--gpu-flops", type=positive(float), default=cm.GPUSpec().peak_flops,
                  help="peak FLOP/s (H200 dense bf16: 989e12)")
   p.add_argument("--bytes-per-element", type=positive(int), default=2)
+  p.add_argument("--landmark-dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="dtype the KV cache keeps page landmarks in (TrainConfig landmark_dtype)")
   p.add_argument("--topk-ops", type=float, default=1.0,
                  help="top-k eFLOPs per candidate page per KV head")
   p.add_argument("--no-lm-head", action="store_true", help="leave the LM head out of P")
@@ -155,7 +157,8 @@ def main(argv=None) -> int:
   try:
     gpu = cm.GPUSpec(name="custom" if (args.gpu_bw, args.gpu_flops) != (4.8e12, 989e12)
                      else "H200", mem_bandwidth=args.gpu_bw, peak_flops=args.gpu_flops,
-                     bytes_per_element=args.bytes_per_element)
+                     bytes_per_element=args.bytes_per_element,
+                     landmark_bytes_per_element=4 if args.landmark_dtype == "float32" else 2)
     kw = dict(include_lm_head=not args.no_lm_head, topk_ops_per_candidate=args.topk_ops)
     if args.paper_table:
       rows = _paper(args, gpu, kw)

@@ -199,12 +199,14 @@ class GenerationEngine:
     self.num_shards = len(devices)
     self.graphdef, state = nnx.split(model)
     self.state = self._place_state(state)
-    landmark = (self.attention.landmark if isinstance(self.attention, attn_lib.BlockSparse)
-                else "none")
+    sparse = isinstance(self.attention, attn_lib.BlockSparse)
+    landmark = self.attention.landmark if sparse else "none"
+    self._landmark_dtype = self.attention.landmark_dtype if sparse else "float32"
     self.cache_dtype = jnp.dtype(cfg.cache_dtype or mc.dtype)
     self.bytes_per_page = kv_bytes_per_page(
         num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
-        page_size=cfg.page_size, dtype=self.cache_dtype, landmark=landmark)
+        page_size=cfg.page_size, dtype=self.cache_dtype, landmark=landmark,
+        landmark_dtype=self._landmark_dtype)
     self.pool_pages = resolve_pool_pages(cfg, self.bytes_per_page, devices[0])
     self._landmark = landmark
     self._kv = self._create_pool()
@@ -233,7 +235,8 @@ class GenerationEngine:
       return PagedKVCache.create(
           num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
           num_slots=d * cfg.num_slots, num_pages=d * self.pool_pages, max_pages_per_seq=1,
-          page_size=cfg.page_size, dtype=self.cache_dtype, landmark=self._landmark)
+          page_size=cfg.page_size, dtype=self.cache_dtype, landmark=self._landmark,
+          landmark_dtype=self._landmark_dtype)
 
     return jax.jit(make, out_shardings=self._cache_shardings())()
 
@@ -382,6 +385,10 @@ class GenerationEngine:
         and attention.landmark != self._landmark):
       raise ValueError(f"cannot switch to {attention.landmark!r} landmarks: the cache keeps "
                        f"{self._landmark!r}")
+    if (isinstance(attention, attn_lib.BlockSparse) and self._landmark != "none"
+        and attention.landmark_dtype != self._landmark_dtype):
+      raise ValueError(f"cannot switch to landmark_dtype={attention.landmark_dtype!r}: the "
+                       f"cache keeps {self._landmark_dtype} landmarks")
     old = self.attention
     self.attention = attention
     try:

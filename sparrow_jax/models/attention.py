@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Union
 
-from sparrow_jax.pallas_kernels import dispatch, selection, sparse_decode, teacher_forced
+import jax.numpy as jnp
+
+from sparrow_jax.pallas_kernels import dispatch, selection, teacher_forced
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,6 +31,8 @@ class BlockSparse:
   """Sparrow block-sparse attention: top-k pages by landmark score plus reserved pages.
 
   `max_budget` is the static maximum of the traced per-row budgets (compiled shapes).
+  `landmark_dtype`: "float32" or "bfloat16", the dtype the cache keeps landmarks in (and the
+  teacher-forced forward rounds them to, so both select the same pages).
   """
 
   max_budget: int
@@ -39,6 +43,7 @@ class BlockSparse:
   dense_layers: tuple[int, ...] = (0, 1)
   backend: str = "auto"
   query_chunk: int = 256
+  landmark_dtype: str = "float32"
 
   def __post_init__(self):
     if self.max_budget < 1:
@@ -53,6 +58,9 @@ class BlockSparse:
           "expected bos >= 0 and recent >= 1 (the partial page is always attended)")
     object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
     dispatch.Backend(self.backend)  # validates the name
+    if self.landmark_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"BlockSparse.landmark_dtype={self.landmark_dtype!r}: expected "
+                       "'float32' or 'bfloat16'")
 
   @property
   def kind(self) -> selection.LandmarkKind:
@@ -85,7 +93,7 @@ def full_sequence_attention(spec: AttentionSpec, layer: int, q, k, v, *, lengths
       q, k, v, budgets, lengths=lengths, prompt_lengths=prompt_lengths, kind=spec.kind,
       max_budget=spec.max_budget, reserved_bos=spec.reserved_bos,
       reserved_recent=spec.reserved_recent, page_size=spec.page_size,
-      query_chunk=spec.query_chunk)
+      query_chunk=spec.query_chunk, landmark_dtype=spec.landmark_dtype)
 
 
 def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budgets=None):
@@ -100,15 +108,16 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
   if cache.landmark_kind != spec.landmark:
     raise ValueError(f"cache keeps {cache.landmark_kind!r} landmarks but the attention spec "
                      f"asks for {spec.landmark!r}")
+  cache_lm_dtype = lms[0].dtype if lms else None
+  if cache_lm_dtype is not None and cache_lm_dtype != jnp.dtype(spec.landmark_dtype):
+    raise ValueError(f"cache keeps {cache_lm_dtype} landmarks but the attention spec asks for "
+                     f"landmark_dtype={spec.landmark_dtype!r}")
   if cache.page_size != spec.page_size:
     raise ValueError(f"cache page_size={cache.page_size} differs from the attention spec's "
                      f"page_size={spec.page_size}")
   backend = dispatch.resolve_backend(spec.backend)
-  config = None
-  slot_multiple = 1
-  if backend in (dispatch.Backend.PALLAS, dispatch.Backend.PALLAS_INTERPRET):
-    config = sparse_decode.SparseDecodeConfig()
-    slot_multiple = config.slot_multiple()
+  config = dispatch.default_config(backend)  # None for XLA
+  slot_multiple = 1 if config is None else config.slot_multiple()
   lm = lms[0] if spec.kind == selection.LandmarkKind.MEAN else lms
   page_idx, valid = selection.select_decode_pages(
       q, lm, cache.page_table, lengths, budgets, kind=spec.kind, max_budget=spec.max_budget,

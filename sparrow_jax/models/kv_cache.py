@@ -5,6 +5,8 @@ Layout (DESIGN.md §3), one buffer per layer l (a tuple over layers, never one s
   landmarks[l]:  ()                no landmarks (dense attention only)
                  ([K, P, D],)      "mean": mean key of the page
                  ([K, P, D],) * 2  "quest": per-channel (min, max) of the page's keys
+                                   (in `landmark_dtype`: float32, or bfloat16 to halve the
+                                   bytes page selection gathers every layer and step)
   page_table:    [B, M] int32      logical page j of slot b -> physical page id
   lengths:       [B] int32         tokens held by slot b
 
@@ -41,6 +43,7 @@ from sparrow_jax.pallas_kernels import selection
 
 NULL_PAGE = 0
 LANDMARK_KINDS = ("none", "mean", "quest")
+LANDMARK_DTYPES = ("float32", "bfloat16")
 _NUM_LANDMARKS = {"none": 0, "mean": 1, "quest": 2}
 
 
@@ -48,7 +51,7 @@ _NUM_LANDMARKS = {"none": 0, "mean": 1, "quest": 2}
 class PagedKVCache:
   k: tuple  # L x [K, P, S, D]
   v: tuple  # L x [K, P, S, D]
-  landmarks: tuple  # L x (() | (mean,) | (min, max)); each [K, P, D] float32
+  landmarks: tuple  # L x (() | (mean,) | (min, max)); each [K, P, D] in landmark_dtype
   page_table: jax.Array  # [B, M] int32
   lengths: jax.Array  # [B] int32
   landmark_kind: str = struct.field(pytree_node=False, default="none")
@@ -56,9 +59,11 @@ class PagedKVCache:
   @classmethod
   def create(cls, *, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
              num_pages: int, max_pages_per_seq: int, page_size: int = 16,
-             dtype=jnp.float32, landmark: str = "none") -> "PagedKVCache":
+             dtype=jnp.float32, landmark: str = "none",
+             landmark_dtype: str = "float32") -> "PagedKVCache":
     if landmark not in LANDMARK_KINDS:
       raise ValueError(f"landmark={landmark!r}: expected one of {LANDMARK_KINDS}")
+    check_landmark_dtype(landmark_dtype)
     if page_size <= 0 or page_size & (page_size - 1):
       raise ValueError(f"page_size={page_size}: expected a positive power of two")
     if num_pages < 2:
@@ -69,7 +74,7 @@ class PagedKVCache:
     return cls(
         k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-        landmarks=tuple(tuple(jnp.zeros(lm_shape, jnp.float32) for _ in range(n_lm))
+        landmarks=tuple(tuple(jnp.zeros(lm_shape, landmark_dtype) for _ in range(n_lm))
                         for _ in range(num_layers)),
         page_table=jnp.zeros((num_slots, max_pages_per_seq), jnp.int32),
         lengths=jnp.zeros((num_slots,), jnp.int32), landmark_kind=landmark)
@@ -133,12 +138,14 @@ class PagedKVCache:
     new_v = self.v[layer].at[:, dest].set(vp.astype(self.v[layer].dtype), mode="drop")
     lms = self.landmarks[layer]
     if lms:
-      # Landmarks from the keys as stored (cache dtype), as decode would read them back.
+      # Landmarks from the keys as stored (cache dtype), as decode would read them back,
+      # rounded once to the landmark dtype.
       stored = kp.astype(self.k[layer].dtype)
       nv = jnp.broadcast_to(num_valid[None], stored.shape[:3])  # [K, n, npg]
       lm = selection.compute_landmarks(stored, nv, self._kind())
       lm = lm if isinstance(lm, tuple) else (lm,)
-      lms = tuple(old.at[:, dest].set(new, mode="drop") for old, new in zip(lms, lm))
+      lms = tuple(old.at[:, dest].set(new.astype(old.dtype), mode="drop")
+                  for old, new in zip(lms, lm))
     return self._with_layer(layer, new_k, new_v, lms)
 
   def write_token(self, layer: int, k, v, active) -> "PagedKVCache":
@@ -165,20 +172,28 @@ class PagedKVCache:
       lm = selection.compute_landmarks(keys, nv, self._kind())
       lm = lm if isinstance(lm, tuple) else (lm,)
       lm_dest = jnp.where(filled, phys, oob)
-      lms = tuple(old.at[:, lm_dest].set(new, mode="drop") for old, new in zip(lms, lm))
+      lms = tuple(old.at[:, lm_dest].set(new.astype(old.dtype), mode="drop")
+                  for old, new in zip(lms, lm))
     return self._with_layer(layer, new_k, new_v, lms)
 
 
+def check_landmark_dtype(landmark_dtype) -> None:
+  if landmark_dtype not in LANDMARK_DTYPES:
+    raise ValueError(f"landmark_dtype={landmark_dtype!r}: expected one of {LANDMARK_DTYPES}")
+
+
 def kv_bytes_per_page(*, num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
-                      dtype, landmark: str = "none") -> int:
+                      dtype, landmark: str = "none", landmark_dtype: str = "float32") -> int:
   """Device bytes one physical page costs over all layers: K and V in the cache dtype plus the
-  float32 landmarks. The engine sizes its pool with it and the memory planner uses the same
-  formula."""
+  landmarks in their dtype. The engine sizes its pool with it and the memory planner uses the
+  same formula."""
   if landmark not in LANDMARK_KINDS:
     raise ValueError(f"landmark={landmark!r}: expected one of {LANDMARK_KINDS}")
+  check_landmark_dtype(landmark_dtype)
   item = np.dtype(jnp.dtype(dtype)).itemsize
   kv = 2 * num_kv_heads * page_size * head_dim * item
-  lm = _NUM_LANDMARKS[landmark] * num_kv_heads * head_dim * 4
+  lm_item = np.dtype(jnp.dtype(landmark_dtype)).itemsize
+  lm = _NUM_LANDMARKS[landmark] * num_kv_heads * head_dim * lm_item
   return num_layers * (kv + lm)
 
 

@@ -1,9 +1,9 @@
 """The one place that decides how decode attention runs: Pallas kernel or XLA.
 
 `Backend` names the implementations; `resolve_backend` turns `AUTO` into a concrete one once
-(Pallas on a GPU, XLA elsewhere) and refuses a backend that cannot run here: there is no
-silent fallback. `sparse_decode_attention` (selected pages) and `dense_decode_attention` (all of
-a sequence's pages) are the entry points the decoder calls.
+(Pallas Triton on a GPU, Pallas Mosaic on a TPU, XLA elsewhere) and refuses a backend that
+cannot run here: there is no silent fallback. `sparse_decode_attention` (selected pages) and
+`dense_decode_attention` (all of a sequence's pages) are the entry points the decoder calls.
 
                     sparse                                 dense
   XLA               `reference.sparse_decode_reference`    `paged_decode.dense_decode_xla`
@@ -12,6 +12,10 @@ a sequence's pages) are the entry points the decoder calls.
   PALLAS            `sparse_decode.sparse_decode`          `paged_decode.paged_decode`
                     (Triton lowering, needs a GPU)         (Triton lowering, needs a GPU)
   PALLAS_INTERPRET  the same kernels in the Pallas interpreter (any platform; slow, for tests).
+  PALLAS_TPU        `tpu_decode.sparse_decode_tpu`     `tpu_decode.dense_decode_tpu`
+                    (Mosaic TPU, scalar-prefetched     (jax's `ops.tpu.paged_attention`;
+                    pages, needs a TPU)                float32 caches: the block kernel)
+  PALLAS_TPU_INTERPRET  the TPU kernels in TPU interpret mode (CPU; simulated DMAs; for tests).
 
 A Mosaic GPU kernel can be added later as another member without touching the callers.
 """
@@ -26,6 +30,8 @@ from sparrow_jax.pallas_kernels.paged_decode import (PagedDecodeConfig, dense_de
                                                      paged_decode)
 from sparrow_jax.pallas_kernels.reference import sparse_decode_reference
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig, sparse_decode
+from sparrow_jax.pallas_kernels.tpu_decode import (TpuDecodeConfig, dense_decode_tpu,
+                                                   sparse_decode_tpu)
 
 
 class Backend(enum.Enum):
@@ -34,20 +40,44 @@ class Backend(enum.Enum):
   XLA = "xla"
   PALLAS = "pallas"
   PALLAS_INTERPRET = "pallas_interpret"
+  PALLAS_TPU = "pallas_tpu"
+  PALLAS_TPU_INTERPRET = "pallas_tpu_interpret"
+
+
+def _has(platform: str) -> bool:
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False
 
 
 def _has_gpu() -> bool:
-  try:
-    return bool(jax.devices("gpu"))
-  except RuntimeError:
-    return False
+  return _has("gpu")
+
+
+def is_tpu_backend(backend: Backend) -> bool:
+  return backend in (Backend.PALLAS_TPU, Backend.PALLAS_TPU_INTERPRET)
+
+
+def is_kernel_backend(backend: Backend) -> bool:
+  """A Pallas backend (its selection is padded to the kernel's blocks)."""
+  return backend is not Backend.XLA and backend is not Backend.AUTO
+
+
+def default_config(backend: Backend):
+  """The launch config a resolved kernel backend runs with when none is given."""
+  if is_tpu_backend(backend):
+    return TpuDecodeConfig()
+  if backend in (Backend.PALLAS, Backend.PALLAS_INTERPRET):
+    return SparseDecodeConfig()
+  return None
 
 
 def resolve_backend(backend=Backend.AUTO) -> Backend:
   """Concrete backend for `backend` (a Backend or its string value) on this machine.
 
-  AUTO -> PALLAS when a GPU is present, XLA otherwise. PALLAS without a GPU raises
-  ValueError.
+  AUTO -> PALLAS when a GPU is present, PALLAS_TPU when a TPU is, XLA otherwise. PALLAS
+  without a GPU and PALLAS_TPU without a TPU raise ValueError.
   """
   if not isinstance(backend, Backend):
     try:
@@ -57,13 +87,22 @@ def resolve_backend(backend=Backend.AUTO) -> Backend:
                        f"{[b.value for b in Backend]}") from None
   match backend:
     case Backend.AUTO:
-      return Backend.PALLAS if _has_gpu() else Backend.XLA
+      if _has_gpu():
+        return Backend.PALLAS
+      return Backend.PALLAS_TPU if _has("tpu") else Backend.XLA
     case Backend.PALLAS:
       if not _has_gpu():
         raise ValueError(
             f"backend={backend.value!r}: the Pallas Triton kernel needs a GPU, but jax sees "
             f"only {sorted({d.platform for d in jax.devices()})}; use 'xla' or "
             "'pallas_interpret'")
+      return backend
+    case Backend.PALLAS_TPU:
+      if not _has("tpu"):
+        raise ValueError(
+            f"backend={backend.value!r}: the Pallas Mosaic TPU kernel needs a TPU, but jax "
+            f"sees only {sorted({d.platform for d in jax.devices()})}; use 'xla' or "
+            "'pallas_tpu_interpret'")
       return backend
     case _:
       return backend
@@ -83,7 +122,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx, 
       `selection.select_pages`).
     backend: Backend or its string value (static); resolved by `resolve_backend`.
     sm_scale: softmax scale, default 1/sqrt(D).
-    config: SparseDecodeConfig for the Pallas backends (ignored by XLA).
+    config: SparseDecodeConfig for the Pallas Triton backends, TpuDecodeConfig for the TPU
+      ones (ignored by XLA).
   Returns:
     [B, H, D] in q.dtype.
   """
@@ -97,6 +137,12 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx, 
     case Backend.PALLAS_INTERPRET:
       return sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
                            sm_scale=sm_scale, config=config, interpret=True)
+    case Backend.PALLAS_TPU:
+      return sparse_decode_tpu(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
+                               sm_scale=sm_scale, config=config, interpret=False)
+    case Backend.PALLAS_TPU_INTERPRET:
+      return sparse_decode_tpu(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
+                               sm_scale=sm_scale, config=config, interpret=True)
     case other:
       raise AssertionError(f"unresolved backend {other}")
 
@@ -114,7 +160,8 @@ def dense_decode_attention(q, k_pages, v_pages, page_table, lengths, *, backend=
       output 0).
     backend: Backend or its string value (static); resolved by `resolve_backend`.
     sm_scale: softmax scale, default 1/sqrt(D).
-    config: PagedDecodeConfig for the Pallas backends (ignored by XLA).
+    config: PagedDecodeConfig for the Pallas Triton backends, TpuDecodeConfig for the TPU
+      ones (ignored by XLA).
   Returns:
     [B, H, D] in q.dtype.
   """
@@ -127,5 +174,11 @@ def dense_decode_attention(q, k_pages, v_pages, page_table, lengths, *, backend=
     case Backend.PALLAS_INTERPRET:
       return paged_decode(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
                           config=config, interpret=True)
+    case Backend.PALLAS_TPU:
+      return dense_decode_tpu(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
+                              config=config, interpret=False)
+    case Backend.PALLAS_TPU_INTERPRET:
+      return dense_decode_tpu(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
+                              config=config, interpret=True)
     case other:
       raise AssertionError(f"unresolved backend {other}")

@@ -7,14 +7,17 @@ read only what dense attention needs, in the cache dtype, accumulating in float3
 
 `paged_decode` (the kernel) is flash-decoding over a sequence's own pages: one program per
 (sequence b, kv head k, split s). The sequence's n = ceil(lengths[b] / S) logical pages are cut
-into blocks of `pages_per_block` pages; split s takes blocks s, s + k_splits, s + 2 k_splits, ...
+into blocks of `pages_per_block` pages; split s takes blocks s, s + R, s + 2 R, ...
 (block-cyclic, so a short sequence still spreads over every split) and its trip count comes
 from lengths[b], never from the page-table width M: cost follows the sequence's length, not M
-and not the pool size P. Inside a block the physical page ids are read from the page table and
-the K/V pages gathered from the pool, all inside the kernel. The GQA group (G query heads of kv
-head k) is padded to 16 rows for `plgpu.dot`; K/V stay in the cache dtype, the dots and the
-running max / sum / output are float32; masked logits are `MASK_VALUE` (finite) and masked
-probabilities exactly 0. The splits are merged in XLA by `split_k.merge_partials`.
+and not the pool size P. The number of splits R is sized to the work (`split_k.num_splits`:
+batch x kv heads x blocks of the M-page table) unless the config fixes it. Inside a block the
+physical page ids are read from the page table and the K/V pages gathered from the pool, all
+inside the kernel. The GQA group (G query heads of kv head k) is padded to 16 rows for
+`plgpu.dot`; K/V stay in the cache dtype, the dots and the running max / sum / output are
+float32, and only the first Gr = next_pow2(G) rows of the partials are written; masked logits
+are `MASK_VALUE` (finite) and masked probabilities exactly 0. The splits are merged in XLA by
+`split_k.merge_partials`.
 
 `dense_decode_xla` is the XLA path (the CPU backend): it gathers only the M page-table columns
 it is given (the engine buckets M to the longest active sequence), keeps the gathered K/V in
@@ -29,10 +32,12 @@ A sequence with lengths[b] = 0 (an empty slot) gets output 0 from both.
 Triton rules kept by construction (interpret mode would not catch them): every array loaded,
 stored or computed has power-of-two dims (head dim and page size are checked, the GQA group is
 padded, pages_per_block is a power of two); page-table reads past the sequence's last page are
-clamped to it, so no load leaves the table (the duplicated page is masked).
+clamped to it, so no load leaves the table (the duplicated page is masked); the pipelined K/V
+blocks fit in shared memory (`split_k.check_call_shapes`).
 
 Axis legend: B batch, H query heads, K kv heads, G = H // K, Gp padded group, P physical pages,
-M logical pages per sequence (page-table width), S page size, D head dim, R = k_splits.
+M logical pages per sequence (page-table width), S page size, D head dim, R = splits, Gr partial
+rows.
 """
 
 from __future__ import annotations
@@ -53,16 +58,26 @@ from sparrow_jax.pallas_kernels.reference import MASK_VALUE
 class PagedDecodeConfig:
   """Static launch parameters of the dense paged decode kernel.
 
-  k_splits: splits of a sequence's pages (flash-decoding split-K); with B * K programs per
-    split, 8 splits keep an H200's 132 SMs busy from batch 4 up at 8 kv heads.
+  k_splits: splits of a sequence's pages (flash-decoding split-K); None sizes them to the work
+    (`split_k.num_splits`: whole waves of `resident_programs`, never more splits than
+    blocks of the page table).
   pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
     (a power of two, >= 16); 8 pages of 16 tokens = 128 rows, a 128 x 128 bf16 tile.
   num_warps, num_stages: Triton launch parameters.
+  resident_programs: programs the GPU runs at once (SMs x resident blocks), the unit of a wave
+    for the sized split count.
+  page_size, head_dim, dtype: optional block shape the config is built for; when all three are
+    given, a block whose shared memory is over an H200's 227 KiB is refused here (a kernel
+    call always checks its own shapes).
   """
-  k_splits: int = 8
+  k_splits: int | None = None
   pages_per_block: int = 8
   num_warps: int = 4
   num_stages: int = 2
+  resident_programs: int = split_k.RESIDENT_PROGRAMS
+  page_size: int | None = None
+  head_dim: int | None = None
+  dtype: str | None = None
 
   def __post_init__(self):
     split_k.check_launch_config(self)
@@ -74,7 +89,7 @@ def _paged_decode_kernel(
     v_ref,           # [P, S, D] value pool of this kv head
     page_table_ref,  # [M] int32 logical -> physical ids of this sequence
     length_ref,      # [] int32 tokens in the cache of this sequence
-    *refs,           # (aliased poison inputs,) then outputs o [Gp, D], l [Gp], m [Gp]
+    *refs,           # (aliased poison inputs,) then outputs o [Gr, D], l [Gr], m [Gr]
     sm_scale: float,
     pages_per_block: int,
     k_splits: int,
@@ -100,7 +115,8 @@ def _paged_decode_kernel(
     phys = page_table_ref[jnp.minimum(logical, num_pages - 1)]  # [ppb] physical page ids
     k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D] cache dtype
     v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
-    logits = plgpu.dot(q, k, trans_b=True) * sm_scale  # [Gp, ppb*S] float32
+    logits = plgpu.dot(q, k, trans_b=True,
+                       precision=split_k.DOT_PRECISION) * sm_scale  # [Gp, ppb*S] f32
     pos = first * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, ppb*S]
     tok_ok = pos < length
     logits = jnp.where(tok_ok, logits, MASK_VALUE)
@@ -108,7 +124,8 @@ def _paged_decode_kernel(
     corr = jnp.exp(m_prev - m_next)  # [Gp]
     p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
     l_next = corr * l_prev + p.sum(axis=-1)
-    o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=split_k.DOT_PRECISION)  # [Gp, D] f32
+    o_next = corr[:, None] * o_prev + pv
     return o_next, m_next, l_next
 
   # Blocks of this split: split, split + k_splits, ... below the sequence's block count.
@@ -117,9 +134,7 @@ def _paged_decode_kernel(
   m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((rows,), jnp.float32)
   o, m, l = lax.fori_loop(0, trips, body, (o0, m0, l0))
-  o_ref[...] = o
-  l_ref[...] = l
-  m_ref[...] = m
+  split_k.store_partials(o_ref, l_ref, m_ref, o, l, m)  # the first Gr rows only
 
 
 def check_inputs(q, k_pages, v_pages, page_table, lengths):
@@ -158,19 +173,24 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, lengths, *, sm_scale=
   config = PagedDecodeConfig() if config is None else config
   if not isinstance(config, PagedDecodeConfig):
     raise ValueError(f"config={config!r}: expected a PagedDecodeConfig")
-  b, _, d = q.shape
+  b, h, d = q.shape
   kvh, _, s, _ = k_pages.shape
-  ppb, splits = config.pages_per_block, config.k_splits
+  ppb = config.pages_per_block
   split_k.check_kernel_dims(d, s, ppb)
+  split_k.check_call_shapes(config, page_size=s, head_dim=d, dtype=k_pages.dtype)
   if sm_scale is None:
     sm_scale = d ** -0.5
   # [B, K, Gp, D] in the cache dtype: the dots take one operand dtype.
   q_rows = split_k.padded_queries(q.astype(k_pages.dtype), kvh)
-  rows = q_rows.shape[2]
+  rows = split_k.partial_rows(h // kvh)  # Gr rows of partials per split
+  # The longest sequence has at most the table's M pages: no more splits than its blocks.
+  splits = split_k.num_splits(config.k_splits, batch=b, kv_heads=kvh,
+                              num_blocks=-(-page_table.shape[1] // ppb),
+                              resident_programs=config.resident_programs)
 
   out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, rows, d)
   in_specs = [
-      pl.BlockSpec((None, None, rows, d), lambda i, j, r: (i, j, 0, 0)),  # q
+      pl.BlockSpec((None, None, q_rows.shape[2], d), lambda i, j, r: (i, j, 0, 0)),  # q
       pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
       pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # v pool
       pl.BlockSpec((None, page_table.shape[1]), lambda i, j, r: (i, 0)),  # page table

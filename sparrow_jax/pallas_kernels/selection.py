@@ -5,7 +5,8 @@ The pieces, in the order the decoder runs them at every decode step:
 
   1. `compute_landmarks`: the cache keeps a summary ("landmark") of every page's keys:
      `mean` (Sparrow/Vortex centroid, meaningful for scoring once the page is full) or `quest`
-     (per-channel running min and max, partial page included).
+     (per-channel running min and max, partial page included), kept in float32 or, to halve
+     what step 2 gathers, in bfloat16 (`round_landmarks`; scoring upcasts to float32).
   2. `gather_landmarks`: landmarks of one layer, pool layout [K, P, D], gathered through the
      page table into per-sequence order [B, K, M, D].
   3. `score_pages`: one float32 score per (sequence, kv head, logical page).
@@ -85,6 +86,16 @@ def tree_sum(x, axis: int):
     half = x.shape[-1] // 2
     x = x[..., :half] + x[..., half:]
   return x[..., 0]
+
+
+def round_landmarks(landmarks, dtype):
+  """Landmarks rounded to the dtype the cache keeps them in (float32 or bfloat16), returned
+  as float32: what a decode step reads back. Teacher-forced selection rounds its freshly
+  computed landmarks the same way, so both select the same pages."""
+  if dtype is None or jnp.dtype(dtype) == jnp.float32:
+    return landmarks
+  rnd = lambda x: x.astype(dtype).astype(jnp.float32)
+  return tuple(rnd(x) for x in landmarks) if isinstance(landmarks, tuple) else rnd(landmarks)
 
 
 def compute_landmarks(keys, num_valid, kind):

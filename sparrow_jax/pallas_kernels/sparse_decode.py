@@ -3,24 +3,29 @@
 Flash-decoding over the pages chosen by `selection.select_pages`: one program per
 (sequence b, kv head k, split s). The N selection slots are cut into blocks of
 `pages_per_block` pages (a compute block of pages_per_block * S key rows); split s processes
-blocks s, s + k_splits, s + 2 k_splits, ... (block-cyclic, so a short valid prefix still spreads
-over all splits) and stops after the last block holding a valid slot. Inside a block the pages
-are gathered straight from the paged pool: selected logical id -> page table -> physical page,
-all loaded inside the kernel. The GQA group (G query heads of kv head k) is padded to 16 rows for
-`plgpu.dot`. Each split keeps a float32 running max / sum / unnormalised output; the splits are
-merged in XLA. Masked logits are `MASK_VALUE` (finite) and masked probabilities exactly 0, so a
-split that sees no valid token merges without NaN.
+blocks s, s + R, s + 2 R, ... (block-cyclic, so a short valid prefix still spreads over all
+splits) and stops after the last block holding a valid slot. The number of splits R is sized to
+the work (`split_k.num_splits`: batch x kv heads x blocks of slots) unless the config fixes it.
+Inside a block the pages are gathered straight from the paged pool: selected logical id -> page
+table -> physical page, all loaded inside the kernel. The query is cast to the cache dtype (one
+operand dtype per dot) and the GQA group (G query heads of kv head k) padded to 16 rows for
+`plgpu.dot`; only the first Gr = next_pow2(G) rows of the float32 partials (running max / sum /
+unnormalised output) are written, and the splits are merged in XLA. Masked logits are
+`MASK_VALUE` (finite) and masked probabilities exactly 0, so a split that sees no valid token
+merges without NaN.
 
 The pure-jnp reference with the same contract is `reference.sparse_decode_reference`;
 `dispatch.sparse_decode_attention` chooses between them. `interpret=True` runs the kernel on CPU.
+The TPU twin is `tpu_decode.py`.
 
 Triton rules kept by construction (interpret mode would not catch them): every array loaded,
 stored or computed has power-of-two dims (head_dim and page size are checked, the GQA group is
-padded, pages_per_block is a power of two); no sort inside the kernel.
+padded, pages_per_block is a power of two); no sort inside the kernel; the pipelined K/V blocks
+fit in shared memory (`split_k.check_call_shapes`).
 
-Axis legend: B batch, H query heads, K kv heads, G = H // K, Gp padded group, P physical pages,
-M logical pages per sequence, S page size, D head dim, N selection slots (padded to a multiple
-of k_splits * pages_per_block), R = k_splits.
+Axis legend: B batch, H query heads, K kv heads, G = H // K, Gp padded dot rows, Gr partial
+rows, P physical pages, M logical pages per sequence, S page size, D head dim, N selection slots
+(padded to a multiple of pages_per_block), R = splits.
 """
 
 from __future__ import annotations
@@ -42,22 +47,33 @@ from sparrow_jax.pallas_kernels.split_k import merge_partials
 class SparseDecodeConfig:
   """Static launch parameters of the sparse decode kernel.
 
-  k_splits: number of splits of the selected slots (flash-decoding split-K).
+  k_splits: splits of the selection slots (flash-decoding split-K); None sizes them to the
+    work (`split_k.num_splits`: whole waves of `resident_programs`, never more splits than
+    blocks of slots).
   pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
     (power of two, >= 16).
   num_warps, num_stages: Triton launch parameters.
+  resident_programs: programs the GPU runs at once (SMs x resident blocks), the unit of a wave
+    for the sized split count.
+  page_size, head_dim, dtype: optional block shape the config is built for; when all three are
+    given, a block whose shared memory is over an H200's 227 KiB is refused here (a kernel
+    call always checks its own shapes).
   """
-  k_splits: int = 8
+  k_splits: int | None = None
   pages_per_block: int = 4
   num_warps: int = 4
   num_stages: int = 2
+  resident_programs: int = split_k.RESIDENT_PROGRAMS
+  page_size: int | None = None
+  head_dim: int | None = None
+  dtype: str | None = None
 
   def __post_init__(self):
     split_k.check_launch_config(self)
 
   def slot_multiple(self) -> int:
-    """Number of slots the selection is padded to a multiple of."""
-    return self.k_splits * self.pages_per_block
+    """Number of slots the selection is padded to a multiple of (whole compute blocks)."""
+    return self.pages_per_block
 
 
 def _sparse_decode_kernel(
@@ -69,7 +85,7 @@ def _sparse_decode_kernel(
     page_idx_ref,    # [N] int32 selected logical ids of (sequence, kv head)
     valid_ref,       # [N] int32 1 = slot attended
     active_ref,      # [] int32 blocks up to and including the last valid slot
-    *refs,           # (aliased poison inputs,) then outputs o [Gp, D], l [Gp], m [Gp]
+    *refs,           # (aliased poison inputs,) then outputs o [Gr, D], l [Gr], m [Gr]
     sm_scale: float,
     pages_per_block: int,
     k_splits: int,
@@ -90,7 +106,8 @@ def _sparse_decode_kernel(
     phys = page_table_ref[logical]  # [ppb] physical page ids
     k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
     v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
-    logits = plgpu.dot(q, k, trans_b=True) * sm_scale  # [Gp, ppb*S] float32
+    logits = plgpu.dot(q, k, trans_b=True,
+                       precision=split_k.DOT_PRECISION) * sm_scale  # [Gp, ppb*S] f32
     pos = logical[:, None] * page_size + lax.broadcasted_iota(
         jnp.int32, (pages_per_block, page_size), 1)  # [ppb, S] token positions
     tok_ok = (slot_ok[:, None] & (pos < length)).reshape(1, block_k)  # [1, ppb*S]
@@ -99,7 +116,8 @@ def _sparse_decode_kernel(
     corr = jnp.exp(m_prev - m_next)  # [Gp]
     p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
     l_next = corr * l_prev + p.sum(axis=-1)
-    o_next = corr[:, None] * o_prev + plgpu.dot(p.astype(v.dtype), v)  # [Gp, D]
+    pv = plgpu.dot(p.astype(v.dtype), v, precision=split_k.DOT_PRECISION)  # [Gp, D] f32
+    o_next = corr[:, None] * o_prev + pv
     return o_next, m_next, l_next
 
   # Blocks of this split: split, split + k_splits, ... below the active block count.
@@ -108,9 +126,7 @@ def _sparse_decode_kernel(
   m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((rows,), jnp.float32)
   o, m, l = lax.fori_loop(0, trips, body, (o0, m0, l0))
-  o_ref[...] = o
-  l_ref[...] = l
-  m_ref[...] = m
+  split_k.store_partials(o_ref, l_ref, m_ref, o, l, m)  # the first Gr rows only
 
 
 def _check_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid):
@@ -148,18 +164,24 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
   """
   _check_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid)
   config = SparseDecodeConfig() if config is None else config
+  if not isinstance(config, SparseDecodeConfig):
+    raise ValueError(f"config={config!r}: expected a SparseDecodeConfig")
   b, h, d = q.shape
   kvh, _, s, _ = k_pages.shape
-  ppb, splits = config.pages_per_block, config.k_splits
+  ppb = config.pages_per_block
   split_k.check_kernel_dims(d, s, ppb)
+  split_k.check_call_shapes(config, page_size=s, head_dim=d, dtype=k_pages.dtype)
   if sm_scale is None:
     sm_scale = d ** -0.5
-  q_rows = split_k.padded_queries(q, kvh)  # [B, K, Gp, D] GQA group padded for plgpu.dot
-  rows = q_rows.shape[2]
+  # [B, K, Gp, D] in the cache dtype (the dots take one operand dtype), GQA group padded.
+  q_rows = split_k.padded_queries(q.astype(k_pages.dtype), kvh)
+  rows = split_k.partial_rows(h // kvh)  # Gr rows of partials per split
 
-  # Pad the slots to whole blocks in every split; padded slots are invalid and hold page 0.
+  # Pad the slots to whole blocks; padded slots are invalid and hold page 0.
   n = page_idx.shape[-1]
-  n_pad = -(-n // config.slot_multiple()) * config.slot_multiple()
+  n_pad = -(-n // ppb) * ppb
+  splits = split_k.num_splits(config.k_splits, batch=b, kv_heads=kvh, num_blocks=n_pad // ppb,
+                              resident_programs=config.resident_programs)
   valid = valid.astype(jnp.int32)
   page_idx = page_idx.astype(jnp.int32)
   if n_pad != n:
@@ -171,7 +193,7 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
 
   out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, rows, d)
   in_specs = [
-      pl.BlockSpec((None, None, rows, d), lambda i, j, r: (i, j, 0, 0)),  # q
+      pl.BlockSpec((None, None, q_rows.shape[2], d), lambda i, j, r: (i, j, 0, 0)),  # q
       pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
       pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # v pool
       pl.BlockSpec((None, page_table.shape[1]), lambda i, j, r: (i, 0)),  # page table

@@ -1,42 +1,132 @@
-"""Pieces shared by the split-K (flash-decoding) paged decode kernels.
+"""Pieces shared by the split-K (flash-decoding) paged decode kernels for the GPU.
 
-Both Pallas kernels (`sparse_decode.py`: the selected pages; `paged_decode.py`: all of a
+Both Pallas Triton kernels (`sparse_decode.py`: the selected pages; `paged_decode.py`: all of a
 sequence's pages) launch one program per (sequence b, kv head k, split r). A program attends the
-G query heads of kv head k, padded to Gp rows for `plgpu.dot`, to its share of the keys and
-writes three float32 partials: the unnormalised output o, the running softmax sum l and the
-running max m. `merge_partials` combines the R splits in XLA (flash-decoding's final
-rescale-and-sum). Everything here is launch plumbing and validation; the attention math lives in
-the kernels.
+G query heads of kv head k to its share of the keys. The dot needs >= 16 rows, so the group is
+zero padded to Gp rows in registers, but only Gr = next_pow2(G) rows of the float32 partials
+(unnormalised output o, running sum l, running max m) are written: G = 2 (Qwen3-1.7B) writes 2
+rows per split, not 16. `merge_partials` combines the R splits in XLA (flash-decoding's final
+rescale-and-sum).
 
-Axis legend: B batch, H query heads, K kv heads, G = H // K, Gp padded group, R = k_splits,
-D head dim.
+How many splits. A fixed R wastes the GPU either way: batch 4 x 8 kv heads x 8 splits is 256
+programs where an H200 holds 396 at once (132 SMs x 3 resident blocks, what the kernels' ~150
+registers and <= 72 KB of shared memory allow), while splits beyond the number of key blocks stay
+empty. `num_splits` sizes R to the work with a wave model: a call takes about
+ceil(B K R / resident) waves of ceil(blocks / R) + 1 key blocks each (one block's worth of
+unhidden first load and partial write per program), and R is the fewest splits
+within 5% of the best time, never more than the blocks of keys (the static page-table width for
+dense, the selection slots for sparse), so no split of the longest sequence is empty. A config
+may still fix `k_splits`.
+
+Shared memory. With `num_stages >= 2` Triton's pipeliner stages the next K and V blocks in
+shared memory (`cp.async`), so a block of `pages_per_block * page_size` keys costs at least
+2 x block x head_dim x itemsize bytes there (measured with `gpu_compile`: 2.19-3.3x the K/V
+block at every swept shape; the rest is layout-conversion scratch). `shared_bytes_lower_bound`
+is that floor; a config whose floor is over the H200's 227 KiB per block is refused when it is
+built with its block shape and when a kernel is called with it.
+
+Axis legend: B batch, H query heads, K kv heads, G = H // K, Gp padded dot rows, Gr partial
+rows, R = k_splits, D head dim.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 MIN_DOT = 16  # Triton dot needs M, N, K >= 16
+# The kernels' dots do not follow `jax_default_matmul_precision`: with "highest" a float32 dot
+# becomes an FMA loop that spills and needs 264 KiB of shared memory at the default block. Pinned
+# to DEFAULT they run on tensor cores: bf16 operands as they are, float32 ones as TF32 (what
+# XLA's own float32 matmuls do on the GPU by default). Accumulation is float32 either way.
+DOT_PRECISION = (lax.Precision.DEFAULT, lax.Precision.DEFAULT)
+SHARED_LIMIT_BYTES = 227 * 1024  # H200 (sm_90) dynamic shared memory per block
+NUM_SMS = 132  # H200
+RESIDENT_PROGRAMS = 3 * NUM_SMS  # three resident blocks per SM (registers and shared memory)
+MAX_SPLITS = 64
+SPLIT_TOLERANCE = 1.05  # fewest splits whose modelled time is within 5% of the best
 
 
 def is_pow2(x: int) -> bool:
   return x > 0 and (x & (x - 1)) == 0
 
 
+def next_pow2(x: int) -> int:
+  return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _positive_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def shared_bytes_lower_bound(*, pages_per_block: int, page_size: int, head_dim: int, dtype,
+                             num_stages: int) -> int:
+  """Shared memory a kernel block needs at least: the K and V blocks Triton's pipeliner
+  stages there when num_stages >= 2 (0 with one stage: loads then go to registers)."""
+  if num_stages < 2:
+    return 0
+  return 2 * pages_per_block * page_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def check_shared_memory(config, *, page_size: int, head_dim: int, dtype) -> None:
+  """ValueError when the config's blocks need more shared memory than an H200 block has."""
+  need = shared_bytes_lower_bound(pages_per_block=config.pages_per_block, page_size=page_size,
+                                  head_dim=head_dim, dtype=dtype,
+                                  num_stages=config.num_stages)
+  if need > SHARED_LIMIT_BYTES:
+    raise ValueError(
+        f"{type(config).__name__}(pages_per_block={config.pages_per_block}, "
+        f"num_stages={config.num_stages}) at page_size={page_size}, head_dim={head_dim}, "
+        f"{jnp.dtype(dtype).name}: the pipelined K and V blocks alone need {need} bytes of "
+        f"shared memory, over the {SHARED_LIMIT_BYTES} bytes (227 KiB) an H200 block has; use "
+        "fewer pages_per_block or num_stages=1")
+
+
 def check_launch_config(config) -> None:
-  """Validates the fields every split-K config has (k_splits, pages_per_block, num_warps,
-  num_stages); the error names the config class, the field and the value."""
+  """Validates the fields every split-K config has; the error names the config class, the
+  field and the value. With its block shape (page_size, head_dim, dtype) all given, the config's
+  shared memory is checked too."""
   cls = type(config).__name__
-  for name in ("k_splits", "pages_per_block", "num_warps", "num_stages"):
+  if config.k_splits is not None and not _positive_int(config.k_splits):
+    raise ValueError(f"{cls}.k_splits={config.k_splits!r}: expected a positive int or None "
+                     "(sized to the work)")
+  for name in ("pages_per_block", "num_warps", "num_stages", "resident_programs"):
     value = getattr(config, name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not _positive_int(value):
       raise ValueError(f"{cls}.{name}={value!r}: expected a positive int")
   for name in ("pages_per_block", "num_warps"):
     value = getattr(config, name)
     if not is_pow2(value):
       raise ValueError(f"{cls}.{name}={value}: expected a power of two")
+  shape = {name: getattr(config, name) for name in ("page_size", "head_dim", "dtype")}
+  for name in ("page_size", "head_dim"):
+    if shape[name] is not None and not (_positive_int(shape[name]) and is_pow2(shape[name])):
+      raise ValueError(f"{cls}.{name}={shape[name]!r}: expected a power of two or None")
+  if shape["dtype"] is not None:
+    try:
+      jnp.dtype(shape["dtype"])
+    except TypeError:
+      raise ValueError(f"{cls}.dtype={shape['dtype']!r}: expected a dtype name") from None
+  if all(v is not None for v in shape.values()):
+    check_shared_memory(config, **shape)
+
+
+def check_call_shapes(config, *, page_size: int, head_dim: int, dtype) -> None:
+  """At a kernel call: the block shape the config was built for (if any) is the call's, and
+  the call's blocks fit in shared memory."""
+  cls = type(config).__name__
+  for name, value in (("page_size", page_size), ("head_dim", head_dim)):
+    want = getattr(config, name)
+    if want is not None and want != value:
+      raise ValueError(f"{cls}.{name}={want}: the kernel is called with {name}={value}")
+  if config.dtype is not None and jnp.dtype(config.dtype) != jnp.dtype(dtype):
+    raise ValueError(f"{cls}.dtype={config.dtype!r}: the kernel is called with a "
+                     f"{jnp.dtype(dtype).name} cache")
+  check_shared_memory(config, page_size=page_size, head_dim=head_dim, dtype=dtype)
 
 
 def check_kernel_dims(head_dim: int, page_size: int, pages_per_block: int) -> None:
@@ -51,24 +141,71 @@ def check_kernel_dims(head_dim: int, page_size: int, pages_per_block: int) -> No
                      f">= {MIN_DOT} key rows per compute block")
 
 
+def num_splits(k_splits, *, batch: int, kv_heads: int, num_blocks: int,
+               resident_programs: int = RESIDENT_PROGRAMS) -> int:
+  """Splits R per (sequence, kv head): `k_splits` when fixed, else sized to the work.
+
+  Sized: the modelled time of R splits is ceil(B K R / resident_programs) waves of
+  ceil(num_blocks / R) + 1 blocks (the + 1: a program's first block load is not hidden by the
+  pipeline, and its partials are written and merged); R is the fewest in
+  1..min(num_blocks, MAX_SPLITS) within SPLIT_TOLERANCE of the best (so no split of the longest
+  sequence is empty).
+  """
+  if k_splits is not None:
+    return k_splits
+  programs = max(batch * kv_heads, 1)
+  top = max(1, min(num_blocks, MAX_SPLITS))
+
+  def waves_x_blocks(r):
+    return math.ceil(programs * r / resident_programs) * (math.ceil(num_blocks / r) + 1)
+
+  best = min(waves_x_blocks(r) for r in range(1, top + 1))
+  return next(r for r in range(1, top + 1) if waves_x_blocks(r) <= SPLIT_TOLERANCE * best)
+
+
 def padded_queries(q, kv_heads: int):
   """q [B, H, D] -> [B, K, Gp, D]: the GQA group of each kv head, zero padded to Gp rows
   (a power of two >= 16, what `plgpu.dot` accepts)."""
   b, h, d = q.shape
   g = h // kv_heads
-  rows = max(MIN_DOT, 1 << (g - 1).bit_length())
+  rows = max(MIN_DOT, next_pow2(g))
   q_rows = q.reshape(b, kv_heads, g, d)
   if rows != g:
     q_rows = jnp.pad(q_rows, ((0, 0), (0, 0), (0, rows - g), (0, 0)))
   return q_rows
 
 
+def partial_rows(group: int) -> int:
+  """Rows Gr of the partials written per split: the group rounded up to a power of two."""
+  return next_pow2(group)
+
+
+def first_rows(x, rows: int):
+  """The first `rows` rows of a [Gp, ...] value (Gp a multiple of rows), without a slice
+  (Triton has none): rows past `rows` are zeroed and the row blocks summed, which adds exact
+  zeros."""
+  gp = x.shape[0]
+  if gp == rows:
+    return x
+  keep = lax.broadcasted_iota(jnp.int32, x.shape, 0) < rows
+  x = jnp.where(keep, x, jnp.zeros_like(x))
+  return x.reshape(gp // rows, rows, *x.shape[1:]).sum(axis=0)
+
+
+def store_partials(o_ref, l_ref, m_ref, o, l, m):
+  """Writes the first Gr rows (the output refs' row count) of the split's o, l, m."""
+  rows = o_ref.shape[0]
+  o_ref[...] = first_rows(o, rows)
+  l_ref[...] = first_rows(l, rows)
+  m_ref[...] = first_rows(m, rows)
+
+
 def partial_outputs(b: int, kv_heads: int, splits: int, rows: int, d: int):
   """Output shapes and block specs of the (o, l, m) partials on a (B, K, R) grid."""
   out_shape = [
-      jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d), jnp.float32),  # o [B, K, R, Gp, D]
-      jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32),  # l [B, K, R, Gp]
-      jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32),  # m [B, K, R, Gp]
+      jax.ShapeDtypeStruct((b, kv_heads, splits, rows, d), jnp.float32),  # o [B, K, R, Gr, D]
+      jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32),  # l [B, K, R, Gr]
+      jax.ShapeDtypeStruct((b, kv_heads, splits, rows), jnp.float32),  # m [B, K, R, Gr]
   ]
   out_specs = [
       pl.BlockSpec((None, None, None, rows, d), lambda i, j, r: (i, j, r, 0, 0)),
@@ -121,7 +258,7 @@ def merge_partials(o, l, m, num_heads: int):
   """Merges per-split flash-decoding partials into the attention output.
 
   Args:
-    o: [B, K, R, Gp, D] unnormalised outputs; l, m: [B, K, R, Gp] running sum / max.
+    o: [B, K, R, Gr, D] unnormalised outputs; l, m: [B, K, R, Gr] running sum / max.
     num_heads: H, the number of real query heads (K * G rows are kept).
   Returns:
     [B, H, D] float32; 0 for a row that saw no valid token.
@@ -136,3 +273,15 @@ def merge_partials(o, l, m, num_heads: int):
   out = jnp.where(l_all[..., None] > 0, o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None],
                   0.0)
   return out.reshape(b, num_heads, d)
+
+
+def launch_summary(config, *, batch: int, kv_heads: int, group: int, head_dim: int,
+                   num_blocks: int) -> dict:
+  """Programs launched and float32 partial bytes written (and read back by the merge) for one
+  kernel call: what `BENCHMARKS.md` tabulates before/after sizing the splits."""
+  splits = num_splits(config.k_splits, batch=batch, kv_heads=kv_heads, num_blocks=num_blocks,
+                      resident_programs=config.resident_programs)
+  rows = partial_rows(group)
+  return dict(k_splits=splits, programs=batch * kv_heads * splits, partial_rows=rows,
+              partial_bytes=batch * kv_heads * splits * rows * (head_dim + 2) * 4,
+              empty_splits=max(splits - num_blocks, 0))

@@ -27,7 +27,7 @@ from jax import lax
 
 from sparrow_jax.pallas_kernels.reference import MASK_VALUE
 from sparrow_jax.pallas_kernels.selection import (as_landmark_kind, compute_landmarks,
-                                                   score_pages, select_pages)
+                                                   round_landmarks, score_pages, select_pages)
 
 
 def _check_qkv(q, k, v, lengths):
@@ -114,7 +114,8 @@ def dense_attention_causal(q, k, v, *, lengths=None, sm_scale=None, query_chunk:
 def sparse_attention_teacher_forced(q, k, v, budget, *, lengths=None, prompt_lengths=None,
                                     kind, max_budget: int, reserved_bos: int = 1,
                                     reserved_recent: int = 2, page_size: int = 16,
-                                    query_chunk: int = 256, sm_scale=None):
+                                    query_chunk: int = 256, sm_scale=None,
+                                    landmark_dtype: str = "float32"):
   """Block-sparse attention of a whole sequence, position t selecting as decode step t.
 
   Args:
@@ -129,6 +130,7 @@ def sparse_attention_teacher_forced(q, k, v, budget, *, lengths=None, prompt_len
     page_size: S, tokens per page (as the paged cache).
     query_chunk: queries per chunk (memory knob; does not change the result).
     sm_scale: softmax scale, default 1/sqrt(D).
+    landmark_dtype: the dtype the decode cache keeps landmarks in; they are rounded to it.
   Returns:
     [B, T, H, D] in q.dtype.
   """
@@ -152,7 +154,8 @@ def sparse_attention_teacher_forced(q, k, v, budget, *, lengths=None, prompt_len
   v_heads = _keys_by_head(v, tk)
   k_pages = k_heads.reshape(b, kvh, mp, s, d)  # [B, K, Mp, S, D]
   full_nv = jnp.full((b, kvh, mp), s, jnp.int32)
-  full_lm = compute_landmarks(k_pages, full_nv, kind)  # [B, K, Mp, D] (or a pair)
+  # [B, K, Mp, D] (or a pair), rounded as the cache stores them
+  full_lm = round_landmarks(compute_landmarks(k_pages, full_nv, kind), landmark_dtype)
   lm_b = jax.tree.map(lambda x: x[:, None], full_lm)  # [B, 1, K, Mp, D]
   pages = jnp.arange(mp, dtype=jnp.int32)
 
@@ -165,7 +168,8 @@ def sparse_attention_teacher_forced(q, k, v, budget, *, lengths=None, prompt_len
       cur_c = jnp.minimum(cur, mp - 1)
       cur_keys = k_pages[:, :, cur_c]  # [B, K, C, S, D]
       cur_nv = jnp.broadcast_to(pos % s + 1, (b, kvh, c))  # [B, K, C]
-      cur_lm = compute_landmarks(cur_keys, cur_nv, kind)  # [B, K, C, D] (or a pair)
+      cur_lm = round_landmarks(compute_landmarks(cur_keys, cur_nv, kind),
+                               landmark_dtype)  # [B, K, C, D] (or a pair)
       cur_lm = jax.tree.map(lambda x: jnp.swapaxes(x, 1, 2)[:, :, :, None], cur_lm)
       cur_score = score_pages(q_c, cur_lm, kind)  # [B, C, K, 1]
       scores = jnp.where((pages == cur[:, None])[None, :, None, :], cur_score, scores)

@@ -111,7 +111,7 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
       kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coeff=cfg.entropy_coeff,
       tis_cap=cfg.tis_cap, tis_mask_threshold=cfg.tis_mask_threshold)
   schedule = build_schedule(cfg)
-  attention = attention_spec(schedule, backend="xla")
+  attention = attention_spec(schedule, backend="xla", landmark_dtype=cfg.landmark_dtype)
   dcfg = lora_tx = lora = lora_opt = None
   if cfg.distill:
     dcfg = distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
@@ -158,7 +158,8 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
   if cfg.ladder.strip():
     from sparrow_jax.rl.switching import _probe_alpha
     cand = build_schedule(cfg, cfg.ladder.split(",")[0].strip())
-    att = attention_spec(cand, max_position=l, backend="xla")
+    att = attention_spec(cand, max_position=l, backend="xla",
+                         landmark_dtype=cfg.landmark_dtype)
     probe = jax.jit(lambda p, lo, mb, t: _probe_alpha(
         graphdef, p, lo, mb["tokens"], mb["budgets"], mb["prompt_lens"], mb["lengths"], t,
         attention=att, chunk=cfg.logprob_chunk))

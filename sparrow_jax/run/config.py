@@ -56,6 +56,7 @@ class TrainConfig:
   schedule: str = "dense"  # preset name | JSON path | constant:K | dense
   page_size: int = 16
   landmark: str = "mean"
+  landmark_dtype: str = "float32"  # float32 | bfloat16: page landmarks in the KV cache
   dense_layers: str = ""  # comma-separated layers kept dense ("" = the schedule's own, 0,1)
   attention_backend: str = "auto"
   num_slots: int = 64  # concurrent sequences per device (each device runs its own engine shard)
@@ -231,13 +232,15 @@ class TrainConfig:
     if not self.reward_timeout_s > 0:
       raise ValueError(f"reward_timeout_s={self.reward_timeout_s!r}: expected > 0 seconds")
     choices = {"lr_schedule": ("constant", "cosine"), "landmark": ("mean", "quest"),
+               "landmark_dtype": ("float32", "bfloat16"),
                "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                             "seq-mean-token-sum-norm"),
                "kl_kind": ("k1", "k2", "k3", "low_var_kl"),
                "distill_kind": ("k3", "reverse_kl_full"),
                "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
                "arith_template": ("boxed", "raw"),
-               "attention_backend": ("auto", "xla", "pallas", "pallas_interpret")}
+               "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
+                                     "pallas_tpu_interpret")}
     for f, ok in choices.items():
       if getattr(self, f) not in ok:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected one of {ok}")

@@ -350,6 +350,7 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                 optimizer: str = "adamw", param_dtype: str | None = None,
                 opt_dtype: str = "float32", compute_dtype: str | None = None,
                 cache_dtype: str | None = None, landmark: str = "mean",
+                landmark_dtype: str = "float32",
                 master_weights: bool | None = None, reference_model: bool = False,
                 remat: bool = True, logits_chunk: int | None = None,
                 attn_chunk: int = 256,
@@ -538,7 +539,7 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   # --- KV pool: what the rollout phase leaves, in whole pages ----------------------------
   per_page = kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                                head_dim=cfg.head_dim, page_size=page_size, dtype=cache_dtype,
-                               landmark=landmark)
+                               landmark=landmark, landmark_dtype=landmark_dtype)
   max_pages = -(-context_len // page_size)
   cap = batch_slots * max_pages + 1  # every slot at context_len (+ the null page)
   tables = batch_slots * (max_pages * 4 + 4)  # page table rows + lengths

@@ -115,7 +115,8 @@ class Trainer:
     model, self.tokenizer = build_model(cfg)
     self.model_cfg: ModelConfig = model.cfg
     self.schedule = checked.schedule
-    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend)
+    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend,
+                                    landmark_dtype=cfg.landmark_dtype)
     self.graphdef, params = nnx.split(model)
     self.param_shardings = sh.param_shardings(params, self.mesh)
     self.params = sh.shard_tree(params, self.param_shardings)
@@ -291,7 +292,8 @@ class Trainer:
 
   def _switch_schedule(self, schedule: SparsitySchedule) -> None:
     self.schedule = schedule
-    self.attention = attention_spec(schedule, backend=self.cfg.attention_backend)
+    self.attention = attention_spec(schedule, backend=self.cfg.attention_backend,
+                                    landmark_dtype=self.cfg.landmark_dtype)
     self.engine.set_attention(self.attention, None if schedule.is_dense else schedule)
     if self.cfg.distill:
       self._build_programs()
@@ -608,7 +610,7 @@ class Trainer:
     `schedule` over `mask`'s tokens of a batch (micro-batched; `switching.alpha_tail`)."""
     plan = plan if plan is not None else self.logprob_plan(arrays["lengths"])
     t = int(np.shape(arrays["tokens"])[1])
-    attention = attention_for(schedule, t)
+    attention = attention_for(schedule, t, landmark_dtype=self.cfg.landmark_dtype)
 
     def prepare(inputs, micro):
       inputs["budgets"] = np.asarray(teacher_forced_budgets(schedule, micro.length,

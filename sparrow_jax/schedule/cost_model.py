@@ -32,12 +32,16 @@ Bytes moved per decode step of a batch of B sequences at the same length:
   weights   bpe · (all non-embedding parameters + the LM head matrix), read once per step and
             shared by the whole batch (for a tied model the LM head is the embedding matrix);
   KV read   bpe · 2·D·(N_d·n + N_s·m(n)) per sequence (K and V of every token attended);
-  landmarks bpe · D·s(n)·N_s per sequence (×2 for quest: min and max);
+  landmarks lbpe · D·s(n)·N_s per sequence (×2 for quest: min and max), lbpe the bytes of the
+            landmark dtype the cache keeps (`landmark_bytes_per_element`: 4 for the default
+            float32 landmarks, 2 with `landmark_dtype=bfloat16`); at 32K tokens with a 2K-token
+            budget float32 landmarks cost as many bytes as the selected K and V;
   KV write  bpe · 2·D·N per sequence (the new token). Landmark writes (1/page_size of that),
             activations and page tables are left out.
 
 Roofline time of a step = max(B·F / peak_flops, bytes / mem_bandwidth) on a `GPUSpec`
-(H200 defaults: 4.8e12 B/s, 989e12 FLOP/s dense bf16, 2 bytes per element). A rollout sums
+(H200 defaults: 4.8e12 B/s, 989e12 FLOP/s dense bf16, 2 bytes per weight / KV element,
+4 per landmark element). A rollout sums
 the steps t = 0..L_gen−1 at n = L_in + t + 1 plus one dense prefill of the prompt (Sparrow
 keeps prefill dense, so it is the same for both); every sequence runs to L_gen (no early
 stops), so this prices the longest trajectory of a batch, not an average one.
@@ -67,16 +71,18 @@ class GPUSpec:
   name: str = "H200"
   mem_bandwidth: float = 4.8e12  # bytes / s
   peak_flops: float = 989e12  # FLOP / s
-  bytes_per_element: int = 2  # weights, KV cache and landmarks
+  bytes_per_element: int = 2  # weights and KV cache
+  landmark_bytes_per_element: int = 4  # float32 landmarks (2: landmark_dtype=bfloat16)
 
   def __post_init__(self):
     for f in ("mem_bandwidth", "peak_flops"):
       v = getattr(self, f)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
         raise ValueError(f"GPUSpec.{f}={v!r}: expected a positive number")
-    if not isinstance(self.bytes_per_element, int) or self.bytes_per_element <= 0:
-      raise ValueError(f"GPUSpec.bytes_per_element={self.bytes_per_element!r}: expected a "
-                       "positive int")
+    for f in ("bytes_per_element", "landmark_bytes_per_element"):
+      v = getattr(self, f)
+      if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"GPUSpec.{f}={v!r}: expected a positive int")
 
 
 def matmul_params(cfg: ModelConfig, *, include_lm_head: bool = True) -> int:
@@ -140,7 +146,8 @@ def per_token_cost(cfg: ModelConfig, schedule: SparsitySchedule, positions, *,
   f_lm = float(_LANDMARK_FLOPS[schedule.landmark] * d_kv * n_s) * scored
   f_top = float(topk_ops_per_candidate * kv * n_s) * scored
   kv_read = bpe * 2.0 * d_kv * (n_d * n + n_s * m)
-  lm_read = float(bpe * _LANDMARK_VECTORS[schedule.landmark] * d_kv * n_s) * scored
+  lbpe = gpu.landmark_bytes_per_element
+  lm_read = float(lbpe * _LANDMARK_VECTORS[schedule.landmark] * d_kv * n_s) * scored
   kv_write = np.full(n.shape, float(bpe * 2 * d_kv * cfg.num_layers))
   return {
       "tokens_attended": m.astype(np.float64), "pages_scored": scored.astype(np.float64),

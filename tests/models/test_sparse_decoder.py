@@ -34,7 +34,8 @@ def _incremental_logits(model, spec, table, tokens, prompt_len):
   mp = -(-t // s) + 1
   cache = PagedKVCache.create(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.head_dim, num_slots=1, num_pages=mp + 1,
-                              max_pages_per_seq=mp, page_size=s, landmark=spec.landmark)
+                              max_pages_per_seq=mp, page_size=s, landmark=spec.landmark,
+                              landmark_dtype=spec.landmark_dtype)
   rows = page_table_row(list(range(1, mp + 1)), mp)[None]
   graphdef, state = nnx.split(model)
   prefill = jax.jit(lambda st, *a: nnx.merge(graphdef, st).prefill(*a))
@@ -58,11 +59,15 @@ def _incremental_logits(model, spec, table, tokens, prompt_len):
   return np.stack(out), decode  # logits for positions prompt_len-1 .. t-2
 
 
-@pytest.mark.parametrize("landmark", ["mean", "quest"])
-def test_teacher_forced_equals_incremental_sparse_decode(landmark):
+@pytest.mark.parametrize("landmark,landmark_dtype", [("mean", "float32"), ("quest", "float32"),
+                                                     ("mean", "bfloat16")])
+def test_teacher_forced_equals_incremental_sparse_decode(landmark, landmark_dtype):
+  """bf16 landmarks: the cache stores them rounded, teacher-forced selection rounds its own the
+  same way, so both still select the same pages."""
   cfg = get_config("tiny", num_layers=3)
   model = init_model(cfg, seed=7)
-  spec = attn_lib.BlockSparse(max_budget=3, page_size=4, landmark=landmark, dense_layers=(0,))
+  spec = attn_lib.BlockSparse(max_budget=3, page_size=4, landmark=landmark, dense_layers=(0,),
+                              landmark_dtype=landmark_dtype)
   table = BudgetTable((1, 2, 3), 16)  # budget grows with position: 1, 2, then 3 pages
   rng = np.random.default_rng(0)
   t, p = 70, 9

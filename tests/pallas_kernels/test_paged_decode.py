@@ -184,7 +184,7 @@ def test_every_output_element_written(config):
   """NaN-poisoned output buffers aliased to the kernel's outputs: nothing may stay NaN, even in
   splits that see no page (the length-1 sequence leaves 3 of 4 splits empty)."""
   case = _case(6, 2, 64, 16, jnp.float32)
-  b, kvh, rows, d, r = 4, 2, 16, 64, config.k_splits
+  b, kvh, rows, d, r = 4, 2, 2, 64, config.k_splits  # G = 2: 2 partial rows
   poison = (jnp.full((b, kvh, r, rows, d), jnp.nan), jnp.full((b, kvh, r, rows), jnp.nan),
             jnp.full((b, kvh, r, rows), jnp.nan))
   o, l, m = pd.paged_decode_partials(*case, config=config, interpret=True, poison=poison)
@@ -192,6 +192,15 @@ def test_every_output_element_written(config):
   if r > 1:
     assert bool(jnp.any(l == 0)), "expected some empty splits in this case"
   out = pd.split_k.merge_partials(o, l, m, case[0].shape[1])
+  _check(out, numpy_dense_decode(*case), jnp.float32)
+
+
+@pytest.mark.parametrize("group", [3, 5])
+def test_default_config_and_groups_that_are_not_powers_of_two(group):
+  """The default config (splits sized to the work) with G = 3 (SmolLM2) and 5 (Qwen3-14B):
+  4 and 8 partial rows are written from the 16-row dot, rows >= G dropped by the merge."""
+  case = _case(30 + group, group, 64, 16, jnp.float32)
+  out = run_kernel(*case, pd.PagedDecodeConfig())
   _check(out, numpy_dense_decode(*case), jnp.float32)
 
 

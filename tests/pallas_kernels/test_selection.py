@@ -195,3 +195,31 @@ def test_validation_errors():
     selection.score_pages(jnp.zeros((1, 2, 4)), jnp.zeros((1, 1, 3, 4)), "quest")
   with pytest.raises(ValueError, match="H=3"):
     selection.score_pages(jnp.zeros((1, 3, 4)), jnp.zeros((1, 2, 3, 4)), "mean")
+
+
+def test_bf16_landmarks_are_stored_rounded_and_read_back_the_same():
+  """The cache rounds landmarks to bf16 once when a page fills (or at prefill); decode scores
+  them upcast; `round_landmarks` gives teacher-forced selection the same values (idempotent on
+  what the cache holds)."""
+  from sparrow_jax.models.kv_cache import PagedKVCache
+  rng = np.random.default_rng(4)
+  kvh, d, s = 2, 16, 4
+  cache = PagedKVCache.create(num_layers=1, num_kv_heads=kvh, head_dim=d, num_slots=1,
+                              num_pages=4, max_pages_per_seq=3, page_size=s, landmark="quest",
+                              landmark_dtype="bfloat16")
+  cache = cache.assign_slots(jnp.array([0]), jnp.array([[1, 2, 3]], jnp.int32),
+                             jnp.array([0], jnp.int32))
+  keys = jnp.asarray(rng.standard_normal((1, 8, kvh, d)), jnp.float32)
+  cache = cache.write_prompt(0, keys, keys, jnp.array([[1, 2, 3]], jnp.int32),
+                             jnp.array([8], jnp.int32))
+  lo, hi = cache.landmarks[0]
+  assert lo.dtype == hi.dtype == jnp.bfloat16
+  pages = keys[0].reshape(2, s, kvh, d).transpose(2, 0, 1, 3)  # [K, 2, S, D]
+  want = selection.compute_landmarks(pages, jnp.full((kvh, 2), s), "quest")
+  rounded = selection.round_landmarks(want, jnp.bfloat16)
+  for got, w in zip((lo, hi), rounded):
+    np.testing.assert_array_equal(np.asarray(got[:, 1:3], np.float32), np.asarray(w))
+  again = selection.round_landmarks(tuple(x.astype(jnp.float32) for x in (lo, hi)),
+                                    jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(lo, np.float32))
+  assert selection.round_landmarks(want, "float32") is want

@@ -132,7 +132,7 @@ def test_every_output_element_written(config):
                     max_pages=16, dtype=jnp.float32)
   q, k_pages, v_pages, table, lengths = case
   page_idx, valid = select(q, k_pages, table, lengths, BUDGETS, MAX_BUDGET)
-  b, kvh, rows, d = 4, 2, 16, 64
+  b, kvh, rows, d = 4, 2, 2, 64  # G = 2 query heads per kv head: 2 partial rows
   r = config.k_splits
   poison = (jnp.full((b, kvh, r, rows, d), jnp.nan), jnp.full((b, kvh, r, rows), jnp.nan),
             jnp.full((b, kvh, r, rows), jnp.nan))
@@ -144,6 +144,16 @@ def test_every_output_element_written(config):
   out = sd.merge_partials(o, l, m, q.shape[1])
   np.testing.assert_allclose(out, numpy_sparse_decode(*case, page_idx, valid), atol=1e-5,
                              rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [3, 5])
+def test_default_config_and_groups_that_are_not_powers_of_two(group):
+  rng = np.random.default_rng(40 + group)
+  case = make_cache(rng, batch=4, heads=2 * group, kv_heads=2, head_dim=64, lengths=LENGTHS,
+                    max_pages=16, dtype=jnp.float32)
+  page_idx, valid = select(case[0], case[1], case[3], case[4], BUDGETS, MAX_BUDGET)
+  out = run_kernel(*case, page_idx, valid, sd.SparseDecodeConfig())
+  _check(out, numpy_sparse_decode(*case, page_idx, valid), jnp.float32)
 
 
 def test_full_budget_equals_dense_decode():
@@ -228,6 +238,32 @@ def test_triton_lowering_for_gpu():
     assert list(kernels) == ["sparse_paged_decode"]
     cache = "f32" if dtype == jnp.float32 else "bf16"
     assert dot_types(kernels["sparse_paged_decode"]) == [(cache, cache, "f32")] * 2
+
+
+def test_query_cast_to_a_cache_dtype_that_differs():
+  """float32 queries over a bf16 cache: the kernel casts q to the cache dtype (one operand
+  dtype per dot, as the dense kernel does), returns q's dtype, and agrees with the float32
+  reference to bf16 rounding of q; its Triton IR has bf16 x bf16 -> f32 dots only."""
+  rng = np.random.default_rng(21)
+  case = make_cache(rng, batch=4, heads=8, kv_heads=2, head_dim=64, lengths=LENGTHS,
+                    max_pages=16, dtype=jnp.bfloat16)
+  q = case[0].astype(jnp.float32) + 1e-3 * jnp.asarray(rng.standard_normal(case[0].shape),
+                                                        jnp.float32)  # not bf16-exact
+  case = (q,) + case[1:]
+  page_idx, valid = select(*case[:2], case[3], case[4], BUDGETS, MAX_BUDGET)
+  out = run_kernel(*case, page_idx, valid, CONFIG)
+  assert out.dtype == jnp.float32
+  want = numpy_sparse_decode(*case, page_idx, valid)
+  rel = np.max(np.abs(np.asarray(out, np.float64) - want)) / np.max(np.abs(want))
+  assert rel <= 2e-2, rel
+  # Against the query rounded to bf16 the only error left is the bf16 P.V operand.
+  want_rounded = numpy_sparse_decode(q.astype(jnp.bfloat16), *case[1:], page_idx, valid)
+  rel_rounded = np.max(np.abs(np.asarray(out, np.float64) - want_rounded)) / np.max(
+      np.abs(want_rounded))
+  assert rel_rounded < rel or rel_rounded <= 5e-3, (rel, rel_rounded)
+  args = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (*case, page_idx, valid)]
+  kernels = triton_kernels(functools.partial(sd.sparse_decode, config=CONFIG), *args)
+  assert dot_types(kernels["sparse_paged_decode"]) == [("bf16", "bf16", "f32")] * 2
 
 
 def test_input_validation():

@@ -95,6 +95,31 @@ def test_lora_bytes():
   assert sharded["lora"] == 4 * cfg.num_layers * per_layer_dev * 4
 
 
+@pytest.mark.parametrize("landmark_dtype", ["float32", "bfloat16"])
+def test_page_bytes_follow_the_landmark_dtype(landmark_dtype):
+  """bf16 landmarks: the page formula, the cache the engine allocates and the plan agree."""
+  cfg = get_config("tiny")
+  kw = dict(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            page_size=16, dtype="bfloat16", landmark="quest")
+  per_page = M.kv_bytes_per_page(**kw, landmark_dtype=landmark_dtype)
+  lm_item = 4 if landmark_dtype == "float32" else 2
+  kv = 2 * cfg.num_kv_heads * 16 * cfg.head_dim * 2
+  assert per_page == cfg.num_layers * (kv + 2 * cfg.num_kv_heads * cfg.head_dim * lm_item)
+  cache = jax.eval_shape(lambda: PagedKVCache.create(
+      num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+      num_slots=1, num_pages=10, max_pages_per_seq=1, page_size=16, dtype=jnp.bfloat16,
+      landmark="quest", landmark_dtype=landmark_dtype))
+  assert {x.dtype for x in jax.tree.leaves(cache.landmarks)} == {jnp.dtype(landmark_dtype)}
+  assert sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+      (cache.k, cache.v, cache.landmarks))) == 10 * per_page
+  plan = M.plan_memory(cfg, "1x1x1", batch_slots=8, context_len=100, page_size=16,
+                       train_micro_batch=2, train_seq_len=64, landmark="quest",
+                       cache_dtype="bfloat16", landmark_dtype=landmark_dtype)
+  assert plan.kv_bytes_per_page == per_page
+  with pytest.raises(ValueError, match="landmark_dtype='float16'"):
+    M.kv_bytes_per_page(**kw, landmark_dtype="float16")
+
+
 def test_kv_pool_is_sized_from_what_is_left_in_whole_pages():
   cfg = get_config("tiny")
   per_page = M.kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,

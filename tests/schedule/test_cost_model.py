@@ -36,8 +36,9 @@ W_BYTES = 4352
 SPARSE_FLOPS = {29: P2 + 64 * (29 + 2 * 13) + 2 * 8 * 2 * 7 + 1 * 2 * 2 * 7,   # 7964
                 30: P2 + 64 * (30 + 2 * 14) + 224 + 28,                        # 8156
                 31: P2 + 64 * (31 + 2 * 15) + 224 + 28}                        # 8348
-#   bytes: KV 2 bytes * 2 (K,V) * 8 * (n + 2 m) + landmarks 2*8*2*7 = 224 + KV write 2*2*8*3 = 96
-SPARSE_BYTES = {29: 32 * 55 + 224 + 96, 30: 32 * 58 + 224 + 96, 31: 32 * 61 + 224 + 96}
+#   bytes: KV 2 bytes * 2 (K,V) * 8 * (n + 2 m) + float32 landmarks 4*8*2*7 = 448
+#   + KV write 2*2*8*3 = 96
+SPARSE_BYTES = {29: 32 * 55 + 448 + 96, 30: 32 * 58 + 448 + 96, 31: 32 * 61 + 448 + 96}
 DENSE_FLOPS = {n: P2 + 64 * 3 * n for n in (29, 30, 31)}
 DENSE_BYTES = {n: 32 * 3 * n + 96 for n in (29, 30, 31)}
 
@@ -74,7 +75,10 @@ class PerTokenTest(chex.TestCase):
     c = cm.per_token_cost(SMALL, q, [30], topk_ops_per_candidate=3.0, include_lm_head=False)
     # quest: 4 FLOPs per channel per page, min and max stored (2 vectors)
     assert c["flops_landmark"][0] == 4 * 8 * 2 * 7
-    assert c["landmark_bytes"][0] == 2 * 2 * 8 * 2 * 7
+    assert c["landmark_bytes"][0] == 4 * 2 * 8 * 2 * 7  # float32 landmarks
+    bf16 = cm.per_token_cost(SMALL, q, [30], gpu=cm.GPUSpec(landmark_bytes_per_element=2))
+    assert bf16["landmark_bytes"][0] == 2 * 2 * 8 * 2 * 7
+    assert c["bytes"][0] - bf16["bytes"][0] == 2 * 2 * 8 * 2 * 7
     assert c["flops_topk"][0] == 3 * 2 * 2 * 7
     assert c["flops_linear"][0] == 2 * 2016
     with pytest.raises(ValueError, match="positions min=0"):
@@ -90,18 +94,18 @@ class RolloutTest(chex.TestCase):
     d = cm.rollout_cost(SMALL, presets.dense(page_size=4), **kw)
     ns = (29, 30, 31)
     assert s.flops == 2 * sum(SPARSE_FLOPS[n] for n in ns) == 48936
-    assert s.bytes == sum(W_BYTES + 2 * SPARSE_BYTES[n] for n in ns) == 26112
+    assert s.bytes == sum(W_BYTES + 2 * SPARSE_BYTES[n] for n in ns) == 27456
     assert d.bytes == sum(W_BYTES + 2 * DENSE_BYTES[n] for n in ns) == 30912
     assert s.bytes_by_part["weights"] == 3 * W_BYTES
     # every step memory-bound: bytes / 1000 > flops / 2000
-    np.testing.assert_allclose(s.decode_time_s, 26.112, rtol=1e-12)
+    np.testing.assert_allclose(s.decode_time_s, 27.456, rtol=1e-12)
     np.testing.assert_allclose(d.decode_time_s, 30.912, rtol=1e-12)
     assert s.memory_bound_steps == 1.0
     # prefill (dense, compute-bound): 2 * (2P*28 + r*D*N*28*29/2) = 390656 FLOPs / 2000
     np.testing.assert_allclose(s.prefill_time_s, 195.328, rtol=1e-12)
     assert d.prefill_time_s == s.prefill_time_s
     sp = cm.rollout_speedup(SMALL, SCHED, **kw)
-    np.testing.assert_allclose(sp["time_speedup"], (195.328 + 30.912) / (195.328 + 26.112),
+    np.testing.assert_allclose(sp["time_speedup"], (195.328 + 30.912) / (195.328 + 27.456),
                                rtol=1e-12)
     np.testing.assert_allclose(sp["eflops_ratio"], 2 * sum(DENSE_FLOPS.values()) / 48936,
                                rtol=1e-12)
@@ -150,6 +154,8 @@ class RolloutTest(chex.TestCase):
       cm.GPUSpec(mem_bandwidth=0)
     with pytest.raises(ValueError, match="bytes_per_element"):
       cm.GPUSpec(bytes_per_element=1.5)
+    with pytest.raises(ValueError, match="landmark_bytes_per_element"):
+      cm.GPUSpec(landmark_bytes_per_element=0)
 
 
 class PageSizeTest(chex.TestCase):
