@@ -25,11 +25,15 @@ def main(out_dir):
           "tensorboard=false", "distill=false", "max_new_tokens=4",
           # Adam divides by sqrt(v) + eps: with eps=1e-8, gradients of ~1e-8 turn the ~1e-9
           # rounding differences of a different reduction order into 1e-5 parameter gaps.
-          "adam_eps=1e-6", "skip_redundant_recompute=false"]
+          "adam_eps=1e-6", "skip_redundant_recompute=false", "max_prompt_len=12"]
   single = Trainer(get_train_config("tiny", base + ["mesh=data=1,fsdp=1,tensor=1",
                                                     f"out_dir={out_dir}/a"]), quiet=True)
   sharded = Trainer(get_train_config("tiny", base + ["mesh=data=2,fsdp=4,tensor=1",
                                                      f"out_dir={out_dir}/b"]), quiet=True)
+  # Micro-batched and sharded: one row per device per micro-batch (16-token budget).
+  micro = Trainer(get_train_config("tiny", base + ["mesh=data=2,fsdp=4,tensor=1",
+                                                   "max_tokens_per_micro_batch=16",
+                                                   f"out_dir={out_dir}/c"]), quiet=True)
   examples = single.dataset.next_batch()
   comps = single.rollout(examples, 1)
   batch = single.make_batch(comps)
@@ -38,10 +42,16 @@ def main(out_dir):
   adv = np.asarray(grpo.group_advantages(rewards, 4))
   full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old),
               advantages=adv, mask=batch["mask"])
+  old_micro = micro.recompute(batch)["old_logp"]
+  m = batch["mask"] > 0
+  recompute_diff = float(np.max(np.abs(np.asarray(old)[m] - old_micro[m])))
+  n_micro = len(micro.update_plan(batch["lengths"]))
   m1, _ = single.apply_updates(full)
   m2, _ = sharded.apply_updates(full)
+  m3, _ = micro.apply_updates(full)
   p1 = jax.tree.leaves(jax.device_get(single.params))
   p2 = jax.tree.leaves(jax.device_get(sharded.params))
+  p3 = jax.tree.leaves(jax.device_get(micro.params))
   q = sharded.params["layers"][0]["attn"]["q_DNH"].value
   print(json.dumps({
       "max_param_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(p1, p2)),
@@ -52,6 +62,10 @@ def main(out_dir):
       "q_global": list(q.shape),
       "q_shard": list(q.addressable_shards[0].data.shape),
       "num_devices": len(sharded.mesh.devices.flatten()),
+      "micro_batches": n_micro,
+      "micro_recompute_diff": recompute_diff,
+      "micro_max_param_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(p1, p3)),
+      "micro_loss_diff": abs(float(m1[0]["loss"]) - float(m3[0]["loss"])),
   }))
 
 

@@ -331,6 +331,7 @@ def test_sharded_init_and_checkpoint_resharding(sharded):
 
 
 def test_trainer_grpo_update_sharded_2x4_equals_single_device(tmp_path):
+  """One piece and micro-batched, on a data=2 x fsdp=4 mesh of 8 CPU devices."""
   script = os.path.join(os.path.dirname(__file__), "sharded_trainer_check.py")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -345,3 +346,9 @@ def test_trainer_grpo_update_sharded_2x4_equals_single_device(tmp_path):
   assert res["grad_norm_rel_diff"] <= 1e-5, res
   assert res["q_spec"][0] == "fsdp"  # q_DNH [D, N, H]: D split over fsdp=4
   assert res["q_shard"][0] * 4 == res["q_global"][0]
+  # Micro-batched (a 16-token budget: one row per device) on the same 2x4 mesh: the recompute
+  # and the update equal the single-device one-piece ones.
+  assert res["micro_batches"] == 2, res
+  assert res["micro_recompute_diff"] <= 1e-5, res
+  assert res["micro_max_param_diff"] <= 1e-5, res
+  assert res["micro_loss_diff"] <= 1e-5, res
