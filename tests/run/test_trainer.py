@@ -172,3 +172,25 @@ def test_flagship_preset_fits_one_and_four_h200s(capsys, devices):
   at_mean, at_max = int(m.group(1)), int(m.group(2))
   assert at_max >= 1 and at_mean >= at_max  # a whole 34K-token rollout fits, and more
   assert "KV pool:" in out and "fits." in out
+
+
+def test_a_run_that_cannot_fit_this_machine_is_refused_before_the_model_loads(tmp_path,
+                                                                            monkeypatch):
+  """512 rollouts of 4K tokens in one micro-batch without remat: the update alone needs more
+  than this machine's RAM; refused before any weight is built, naming the phase and knobs."""
+  import sparrow_jax.run.trainer as trainer_lib
+
+  def no_model(cfg):
+    raise AssertionError("the model was built before the memory check")
+
+  monkeypatch.setattr(trainer_lib, "build_model", no_model)
+  cfg = _cfg(tmp_path, "prompts_per_step=64", "group_size=8", "max_new_tokens=4000",
+             "num_examples=64",
+             "remat=false", "num_slots=16")
+  with pytest.raises(ValueError) as err:
+    Trainer(cfg, quiet=True)
+  msg = str(err.value)
+  for needle in ("does not fit", "update", "max_tokens_per_micro_batch", "remat=true",
+                 "host RAM available", "--dry-run"):
+    assert needle in msg, (needle, msg)
+  assert not (tmp_path / "metrics.jsonl").exists()
