@@ -46,7 +46,8 @@ def test_phases_name_what_runs(tmp_path, capsys):
   log.log(1, {"reward/mean": 0.5})
   log.phase("rollout/update")
   log.phase("rollout/update")  # unchanged: nothing redrawn
-  assert log._bar.desc.startswith("train [rollout/update]") and log.current_phase == "rollout/update"
+  assert log._bar.desc.startswith("train [rollout/update]")
+  assert log.current_phase == "rollout/update"
   log.close()
   err = capsys.readouterr().err
   assert "train [warm start]" in err and "train [compiling]" in err
