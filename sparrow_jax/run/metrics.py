@@ -23,6 +23,7 @@ wandb's own settings (`WANDB_MODE=offline`, ...) apply.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -105,6 +106,7 @@ class MetricsLogger:
                          dynamic_ncols=True, file=sys.stderr)
       except ImportError:
         pass
+    self._log_route = _route_logs_around(self._bar) if self._bar is not None else None
 
   def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     rec = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
@@ -175,6 +177,9 @@ class MetricsLogger:
       print(message, flush=True)
 
   def close(self) -> dict[str, Any]:
+    if self._log_route is not None:
+      self._log_route()
+      self._log_route = None
     if self._bar is not None:
       self._bar.close()
     if self._tb is not None:
@@ -188,6 +193,37 @@ class MetricsLogger:
       json.dump(summary, f, indent=2)
     plot_history(self.history, os.path.join(self.out_dir, "training.png"))
     return summary
+
+
+class _BarHandler(logging.Handler):
+  """Writes log records above the progress bar (a plain stderr write would glue the record to
+  the bar's line)."""
+
+  def __init__(self, bar):
+    super().__init__()
+    self.bar = bar
+    self.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      self.bar.write(self.format(record), file=sys.stderr)
+    except Exception:  # logging must never break the run
+      self.handleError(record)
+
+
+def _route_logs_around(bar):
+  """While the bar is up, the package's log records (the mismatch monitor's warning, ...) go
+  through it; returns the function that undoes this."""
+  log = logging.getLogger("sparrow_jax")
+  handler = _BarHandler(bar)  # (level NOTSET: what the logger's level lets through)
+  propagate = log.propagate
+  log.addHandler(handler)
+  log.propagate = False
+
+  def undo():
+    log.removeHandler(handler)
+    log.propagate = propagate
+  return undo
 
 
 def _tb_scalars(writer, values: Mapping[str, float], step: int) -> None:

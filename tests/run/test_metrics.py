@@ -1,6 +1,7 @@
 """MetricsLogger: named phases in the progress bar, TensorBoard tags equal to the metric names
 of metrics.jsonl (`val/avg@4`), and the summary's count of steps below tau."""
 
+import logging
 import struct
 
 import pytest
@@ -48,9 +49,14 @@ def test_phases_name_what_runs(tmp_path, capsys):
   log.phase("rollout/update")  # unchanged: nothing redrawn
   assert log._bar.desc.startswith("train [rollout/update]")
   assert log.current_phase == "rollout/update"
+  pkg = logging.getLogger("sparrow_jax")
+  assert not pkg.propagate  # while the bar is up, records are written above it
+  logging.getLogger("sparrow_jax.rl.monitor").warning("tail below tau")
   log.close()
+  assert pkg.propagate and not pkg.handlers
   err = capsys.readouterr().err
   assert "train [warm start]" in err and "train [compiling]" in err
+  assert "\nWARNING:sparrow_jax.rl.monitor:tail below tau\n" in err.replace("\r", "\n")
   # Without a bar (no tqdm, or not a console) each change is one line on stderr; quiet: none.
   bare = MetricsLogger(str(tmp_path / "b"), total_steps=1, tensorboard=False)
   bare._bar.close()
