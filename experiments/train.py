@@ -37,7 +37,7 @@ def _epilog() -> str:
 
 def _resumed_line(trainer, step: int) -> str:
   """What --resume restored, e.g. "resuming from step 60 (checkpoint runs/tiny/checkpoints/60):
-  policy, optimizer, LoRA, data position, schedule constant:1; training to step 80"."""
+  policy, optimizer, LoRA, data position, schedule constant-1; training to step 80"."""
   cfg = trainer.cfg
   parts = ["policy", "optimizer"]
   parts += ["KL reference"] if trainer.ref_params is not None else []

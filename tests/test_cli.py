@@ -122,7 +122,7 @@ def _first_hour(tmp_path, monkeypatch, capsys, *, shrink: bool):
   assert chat.out.count("\n") == 1  # one reply for one line of input
   assert f"policy of step {steps}, with the sparse actor's LoRA" in chat.err
   assert (f"resuming from step {steps} (checkpoint runs/tiny/checkpoints/{steps}): policy, "
-          "optimizer, LoRA and its optimizer, data position, schedule constant:1; training "
+          "optimizer, LoRA and its optimizer, data position, schedule constant-1; training "
           f"to step {3 if shrink else 80}") in resume.err
   recs = [json.loads(x) for x in (tmp_path / "runs" / "tiny" / "metrics.jsonl").open()]
   last = 3 if shrink else 80
