@@ -41,7 +41,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 BEGIN, END = "<!-- readme-sample:begin -->", "<!-- readme-sample:end -->"
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
+README = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                       "README.md"))
 _TIMING = re.compile(r"\s+step_s=\S+")
 _WARM = re.compile(r"warm start: (\d+) steps, loss ([\d.]+) -> ([\d.]+)")
 
