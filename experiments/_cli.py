@@ -27,3 +27,35 @@ def int_list(s: str) -> list[int]:
   if not vals or min(vals) <= 0:
     raise argparse.ArgumentTypeError(f"{s!r}: expected comma-separated positive ints")
   return vals
+
+
+def at_least(kind, low):
+  """`type=at_least(int, 0)`: a number >= low (e.g. 0 = off)."""
+  def conv(s):
+    try:
+      v = kind(s)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{s!r}: expected a {kind.__name__} >= {low}") from None
+    if not v >= low:
+      raise argparse.ArgumentTypeError(f"{s!r}: expected a {kind.__name__} >= {low}")
+    return v
+  return conv
+
+
+def unit_interval(s: str) -> float:
+  """`type=unit_interval`: a probability mass in (0, 1] (top-p)."""
+  try:
+    v = float(s)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{s!r}: expected a number in (0, 1]") from None
+  if not 0 < v <= 1:
+    raise argparse.ArgumentTypeError(f"{s!r}: expected a number in (0, 1]")
+  return v
+
+
+def power_of_two(s: str) -> int:
+  """`type=power_of_two`: a positive power of two (page sizes)."""
+  v = positive(int)(s)
+  if v & (v - 1):
+    raise argparse.ArgumentTypeError(f"{s!r}: expected a power of two")
+  return v

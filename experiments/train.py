@@ -41,10 +41,36 @@ def _force_host_devices(n: int | None) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def _epilog() -> str:
+  from sparrow_jax.run.config_help import groups_text, presets_text
+  return ("presets (--config NAME):\n" + presets_text()
+          + "\n\nconfig keys by group (key=value; --list-keys prints types and defaults):\n"
+          + groups_text())
+
+
+def _resumed_line(trainer, step: int) -> str:
+  """What --resume restored, e.g. "resuming from step 60 (checkpoint runs/tiny/checkpoints/60):
+  policy, optimizer, LoRA, data position, schedule constant-1; training to step 80"."""
+  cfg = trainer.cfg
+  parts = ["policy", "optimizer"]
+  parts += ["KL reference"] if trainer.ref_params is not None else []
+  parts += ["LoRA and its optimizer"] if trainer.lora is not None else []
+  parts += ["ARRoL head"] if trainer.arrol is not None else []
+  parts += ["data position", f"schedule {trainer.schedule.name}"]
+  where = os.path.join(cfg.out_dir, "checkpoints", str(step))
+  todo = (f"training to step {cfg.num_steps}" if step < cfg.num_steps
+          else f"nothing left to train (num_steps={cfg.num_steps})")
+  return f"resuming from step {step} (checkpoint {where}): {', '.join(parts)}; {todo}"
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__,
+  from experiments._cli import positive
+  ap = argparse.ArgumentParser(description=__doc__, epilog=_epilog(),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default="tiny", help="training preset (default: tiny)")
+  ap.add_argument("--config", default="tiny", help="training preset (default: tiny; listed "
+                                                   "below)")
+  ap.add_argument("--list-keys", action="store_true",
+                  help="print every config key with its type and the preset's default, exit")
   ap.add_argument("--resume", action="store_true",
                   help="continue the run in out_dir from its newest intact checkpoint, with "
                        "its saved config")
@@ -54,7 +80,7 @@ def main(argv=None) -> int:
                   help="with --resume: accept overrides that change what the run trains")
   ap.add_argument("--dry-run", action="store_true",
                   help="abstract shapes only: print per-device memory and exit")
-  ap.add_argument("--num-devices", type=int, default=None,
+  ap.add_argument("--num-devices", type=positive(int), default=None,
                   help="device count for --dry-run (default: the mesh's or local devices)")
   ap.add_argument("--compile", action="store_true",
                   help="--dry-run: also compile every program of a step at the real shapes "
@@ -62,12 +88,21 @@ def main(argv=None) -> int:
                        "analysis beside the plan (minutes)")
   ap.add_argument("--json", action="store_true",
                   help="--dry-run: end with one JSON line (fits, device memory, phases)")
-  ap.add_argument("--mean-response-len", type=int, default=None,
+  ap.add_argument("--mean-response-len", type=positive(int), default=None,
                   help="--dry-run: mean response length for the concurrency estimate "
                        "(default max_new_tokens/2)")
-  ap.add_argument("--quiet", action="store_true")
+  ap.add_argument("--quiet", action="store_true",
+                  help="no progress bar and no per-step console lines (metrics.jsonl, "
+                       "TensorBoard and the final summary are still written)")
   ap.add_argument("overrides", nargs="*", help="key=value config overrides")
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
+  if args.list_keys:
+    from sparrow_jax.run.config_help import list_keys
+    try:
+      print(list_keys(args.config))
+    except ValueError as e:
+      return _err(str(e))
+    return 0
   if (args.compile or args.json) and not args.dry_run:
     return _err("--compile and --json go with --dry-run")
   if args.compile:
@@ -110,6 +145,7 @@ def main(argv=None) -> int:
     trainer = Trainer(cfg, quiet=args.quiet, checked=checked)
     if resume is not None:
       step = trainer.resume()
+      print(_resumed_line(trainer, step), file=sys.stderr, flush=True)
       if resume.changes:
         runs.record_config_changes(cfg.out_dir, step, resume)
         print("resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b)

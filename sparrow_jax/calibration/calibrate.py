@@ -42,10 +42,13 @@ attention is chunked over queries by the decoder. Dense final hidden states ([N,
 are kept on disk and reused by every budget.
 
 Resumability. Everything expensive is cached under the output directory, written atomically:
-`trajectories.npz` (+ `manifest.json`, the settings they were made with), `dense_hidden.npy`,
-one `alpha_budget_<k>.npz` per budget and `alpha_schedule_<...>.npz` for the re-measurement.
-A rerun (same settings; tau, bin size and the budget list may change) recomputes only what is
-missing; a directory made with different generation settings is refused, never overwritten.
+`trajectories.npz` (+ `manifest.json`, the settings they were made with, written before
+generation starts), `dense_hidden.npy`, one `alpha_budget_<k>.npz` per budget and
+`alpha_schedule_<...>.npz` for the re-measurement. While generating, every trajectory is
+appended to `trajectories.partial.jsonl` as soon as it finishes, so a run killed during the
+(long) generation keeps what it sampled and a rerun generates only the rest. A rerun (same
+settings; tau, bin size and the budget list may change) recomputes only what is missing; a
+directory made with different generation settings is refused, never overwritten.
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.schedule import mismatch as mm
 from sparrow_jax.calibration.calibrate_inputs import (  # noqa: F401  (re-exported)
     bundled_smollm2, build_model, encode_prompts, load_prompts)
+from sparrow_jax.calibration.trajectories import (  # noqa: F401  (re-exported)
+    JOURNAL, Trajectories, _atomic_savez, generate_trajectories, read_journal)
 from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec, describe,
                                            schedule_from_p5)
 
@@ -156,92 +161,6 @@ class CalibrationConfig:
                 max_new_tokens=self.max_new_tokens, num_samples=self.num_samples,
                 temperature=self.temperature, top_p=self.top_p, ignore_eos=self.ignore_eos,
                 seed=self.seed, **self.schedule_kwargs())
-
-
-# --- trajectories -------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class Trajectories:
-  """Prompt + generated tokens of N sequences, right-padded with 0."""
-
-  tokens: np.ndarray  # [N, Tmax] int32
-  lengths: np.ndarray  # [N] int32 prompt + generated
-  prompt_lengths: np.ndarray  # [N] int32
-  prompt_index: np.ndarray  # [N] int32 which prompt each sequence answers
-  finish_reasons: list[str]
-  logprobs: np.ndarray  # [N, Tmax] float32 actor log-prob of each generated token (else 0)
-
-  @property
-  def num(self) -> int:
-    return int(self.lengths.shape[0])
-
-  @property
-  def num_generated(self) -> int:
-    return int((self.lengths - self.prompt_lengths).sum())
-
-  def generated(self, i: int) -> np.ndarray:
-    return self.tokens[i, self.prompt_lengths[i]:self.lengths[i]]
-
-  def save(self, path: str) -> None:
-    _atomic_savez(path, tokens=self.tokens, lengths=self.lengths,
-                  prompt_lengths=self.prompt_lengths, prompt_index=self.prompt_index,
-                  finish_reasons=np.asarray(self.finish_reasons, dtype=str),
-                  logprobs=self.logprobs)
-
-  @classmethod
-  def load(cls, path: str) -> "Trajectories":
-    with np.load(path) as z:
-      return cls(tokens=z["tokens"], lengths=z["lengths"], prompt_lengths=z["prompt_lengths"],
-                 prompt_index=z["prompt_index"], logprobs=z["logprobs"],
-                 finish_reasons=[str(s) for s in z["finish_reasons"]])
-
-
-def generate_trajectories(model, prompt_ids: Sequence[Sequence[int]], cfg: CalibrationConfig,
-                          *, progress: bool = True) -> Trajectories:
-  """Sample `num_samples` completions per prompt with the sparse actor at `cfg.actor_budget`."""
-  from tqdm.auto import tqdm
-
-  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
-  from sparrow_jax.engine.sampling import SamplingParams
-
-  if not prompt_ids:
-    raise ValueError("generate_trajectories: no prompts")
-  reqs = []
-  for i, ids in enumerate(prompt_ids):
-    for s in range(cfg.num_samples):
-      sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                          max_new_tokens=cfg.max_new_tokens, ignore_eos=cfg.ignore_eos,
-                          seed=(cfg.seed * 1_000_003 + len(reqs)) & 0x7FFFFFFF)
-      reqs.append(Request(list(ids), sp, (i, s)))
-  longest = max(len(r.prompt_ids) for r in reqs)
-  max_len = -(-(longest + cfg.max_new_tokens + 1) // cfg.page_size) * cfg.page_size
-  if max_len > model.cfg.max_position_embeddings:
-    raise ValueError(f"max_new_tokens={cfg.max_new_tokens} + longest prompt {longest} exceeds "
-                     f"the model's max_position_embeddings={model.cfg.max_position_embeddings}")
-  k = cfg.actor_budget
-  attention = cfg.attention(k) if k > 0 else attn_lib.Dense()
-  engine = GenerationEngine(
-      model, EngineConfig(num_slots=min(cfg.num_slots, len(reqs)), max_seq_len=max_len,
-                          page_size=cfg.page_size, decode_chunk=cfg.decode_chunk),
-      attention=attention, schedule=k if k > 0 else None)
-  slots = min(cfg.num_slots, len(reqs))
-  steps = -(-len(reqs) // slots) * -(-cfg.max_new_tokens // cfg.decode_chunk)
-  bar = tqdm(total=steps, desc=f"generate (actor {k or 'dense'} pages)", unit="chunk",
-             disable=not progress)
-  outs = engine.generate(reqs, progress=lambda done, total: bar.update(1))
-  bar.close()
-  n = len(outs)
-  lengths = np.asarray([len(o.prompt_ids) + len(o.token_ids) for o in outs], np.int32)
-  tokens = np.zeros((n, int(lengths.max())), np.int32)
-  logprobs = np.zeros((n, int(lengths.max())), np.float32)
-  for j, o in enumerate(outs):
-    seq = np.concatenate([o.prompt_ids, o.token_ids]).astype(np.int32)
-    tokens[j, :len(seq)] = seq
-    logprobs[j, len(o.prompt_ids):len(seq)] = o.logprobs
-  return Trajectories(tokens=tokens, lengths=lengths,
-                      prompt_lengths=np.asarray([len(o.prompt_ids) for o in outs], np.int32),
-                      prompt_index=np.asarray([r.request_id[0] for r in reqs], np.int32),
-                      finish_reasons=[o.finish_reason for o in outs], logprobs=logprobs)
 
 
 # --- teacher-forced alpha -----------------------------------------------------------------------
@@ -411,12 +330,6 @@ def _counts(xs) -> dict[str, int]:
   return {str(v): int(c) for v, c in zip(vals, counts)}
 
 
-def _atomic_savez(path: str, **arrays) -> None:
-  tmp = path + ".partial.npz"
-  np.savez(tmp, **arrays)
-  os.replace(tmp, path)
-
-
 def _key(d: Mapping[str, Any]) -> str:
   return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -473,17 +386,23 @@ def calibrate(model, prompt_ids: Sequence[Sequence[int]], cfg: CalibrationConfig
   manifest = json.loads(json.dumps(manifest))  # tuples -> lists, as read back from disk
   man_path = os.path.join(out_dir, "manifest.json")
   traj_path = os.path.join(out_dir, "trajectories.npz")
-  have = _check_manifest(man_path, manifest) and os.path.isfile(traj_path)
-  t0 = time.perf_counter()
-  if have:
-    traj = Trajectories.load(traj_path)
-    reused.append("trajectories")
-  else:
-    traj = generate_trajectories(model, prompt_ids, cfg, progress=progress)
-    traj.save(traj_path)
+  journal = os.path.join(out_dir, JOURNAL)
+  have = _check_manifest(man_path, manifest)
+  if not have:  # written first: a journal left by an interrupted run is only read under it
+    if os.path.exists(journal):
+      os.remove(journal)  # (a journal without its manifest cannot be trusted)
     with open(man_path + ".partial", "w") as f:
       json.dump(manifest, f, indent=2)
     os.replace(man_path + ".partial", man_path)
+  t0 = time.perf_counter()
+  if have and os.path.isfile(traj_path):
+    traj = Trajectories.load(traj_path)
+    reused.append("trajectories")
+  else:
+    traj = generate_trajectories(model, prompt_ids, cfg, progress=progress, journal=journal,
+                                 log=log)
+    traj.save(traj_path)
+    os.remove(journal)  # everything it held is in trajectories.npz now
     computed.append("trajectories")
     seconds["generate"] = time.perf_counter() - t0
   log(f"trajectories: {traj.num} sequences, {traj.num_generated} generated tokens, longest "

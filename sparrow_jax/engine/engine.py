@@ -176,6 +176,14 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _report_finished(done: dict, reported: set[int], on_finish) -> set[int]:
+  """Hand every completion in `done` not reported yet to `on_finish` (index order)."""
+  for i in sorted(done.keys() - reported):
+    on_finish(i, done[i])
+    reported.add(i)
+  return reported
+
+
 class GenerationEngine:
   """Batched generation with a paged KV cache, continuous batching and preemption."""
 
@@ -513,11 +521,15 @@ class GenerationEngine:
     return min(max(width, cfg.min_page_bucket), cfg.max_pages_per_seq)
 
   def generate(self, requests: Sequence[Request], *, lora=None, prune: PruneHook | None = None,
-               progress: Callable[[int, int], None] | None = None) -> list[Completion]:
+               progress: Callable[[int, int], None] | None = None,
+               on_finish: Callable[[int, Completion], None] | None = None
+               ) -> list[Completion]:
     """Generate a completion for every request (returned in request order).
 
     `prune`: an online pruning hook (ARRoL, `pruning.py`); requests with the same `group`
     are decided together once all of them reached `prune.detect_len` or finished.
+    `on_finish(i, completion)`: called once per request (index i) soon after it finished,
+    at the latest when `generate` returns (callers that save work as it completes).
     """
     cfg = self.config
     requests = list(requests)
@@ -538,6 +550,7 @@ class GenerationEngine:
     table = self._table()
     counts = collections.Counter()
     compiles0 = self.num_compilations
+    reported: set[int] = set()  # requests handed to `on_finish`
     t0 = time.perf_counter()
     while sched.has_work():
       admitted = sched.admit()
@@ -555,6 +568,10 @@ class GenerationEngine:
         self._prune(sched, tracker, prune, done, counts)
       if progress is not None:
         progress(len(done), len(requests))
+      if on_finish is not None:
+        reported = _report_finished(done, reported, on_finish)
+    if on_finish is not None:
+      _report_finished(done, reported, on_finish)
     wall = time.perf_counter() - t0
     gen = sum(len(c.token_ids) for c in done.values())
     self.last_stats = dict(counts, **sched.stats.as_dict(), generated_tokens=gen,

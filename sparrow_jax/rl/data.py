@@ -145,7 +145,7 @@ def load_jsonl(path: str | os.PathLike, *, prompt_key: str | None = None,
   """
   path = os.fspath(path)
   if not os.path.isfile(path):
-    raise ValueError(f"load_jsonl: path={path!r} is not a file; expected a local JSONL file")
+    raise ValueError(f"{path}: no such file; expected a local JSONL file")
   stem = os.path.splitext(os.path.basename(path))[0]
   examples = []
   with open(path, encoding="utf-8") as f:
@@ -156,12 +156,13 @@ def load_jsonl(path: str | os.PathLike, *, prompt_key: str | None = None,
       try:
         record = json.loads(line)
       except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: malformed JSON on line {lineno} ({e.msg} at column "
-                         f"{e.colno}); expected one JSON object per line") from None
+        raise ValueError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); expected "
+                         "one JSON object per line") from None
       examples.append(_record_to_example(record, where, f"{stem}:{lineno}", prompt_key,
                                          answer_key, id_key))
   if not examples:
-    raise ValueError(f"load_jsonl: {path!r} holds no records; expected at least one")
+    raise ValueError(f"{path}: no records (the file is empty or blank); expected one JSON "
+                     "object per line")
   return examples
 
 
@@ -173,11 +174,11 @@ def load_parquet(path: str | os.PathLike, *, prompt_key: str | None = None,
 
   path = os.fspath(path)
   if not os.path.isfile(path):
-    raise ValueError(f"load_parquet: path={path!r} is not a file; expected a local Parquet file")
+    raise ValueError(f"{path}: no such file; expected a local Parquet file")
   stem = os.path.splitext(os.path.basename(path))[0]
   rows = pq.read_table(path).to_pylist()
   if not rows:
-    raise ValueError(f"load_parquet: {path!r} holds no rows; expected at least one")
+    raise ValueError(f"{path}: no rows (the table is empty); expected at least one")
   return [
       _record_to_example(r, f"{path}: row {i}", f"{stem}:{i}", prompt_key, answer_key, id_key)
       for i, r in enumerate(rows)
@@ -191,8 +192,8 @@ def load_prompts(path: str | os.PathLike, **kwargs) -> list[PromptExample]:
     return load_jsonl(path, **kwargs)
   if ext in (".parquet", ".pq"):
     return load_parquet(path, **kwargs)
-  raise ValueError(f"load_prompts: path={os.fspath(path)!r} has extension {ext!r}; expected "
-                   f"'.jsonl', '.json' or '.parquet'")
+  raise ValueError(f"{os.fspath(path)}: extension {ext!r} not understood; expected '.jsonl', "
+                   "'.json' or '.parquet'")
 
 
 # ----------------------------------------------------------------------------- chat template

@@ -8,7 +8,11 @@ alpha_t from the two sets (tokens outside a set count as probability 0). Tokens 
 position bin (position = the token's index in the full sequence = tokens held in the KV cache
 when the query that produced it ran, the schedule's position) and the tail statistic, the 5th
 percentile ("p5"), is reported per bin and overall. A bin with at least `min_count` tokens whose
-p5 falls below tau is logged as a warning naming the bin (logger `sparrow_jax.rl.monitor`).
+p5 falls below tau is "below tau". The first step with such a bin is logged as a warning
+naming the bin (logger `sparrow_jax.rl.monitor`); later ones are counted and logged at DEBUG
+only (`warn="every"` warns each time), and `summary_line()` reports at the end of a run in how
+many of its steps, and in which bins, p5 fell below tau: a run whose sparse actor sits below
+tau most of the time would otherwise print one warning per step.
 
 Optionally the exact alpha_t on a small sample (`exact_alpha`, both logits needed) checks how
 loose the bound is.
@@ -196,13 +200,58 @@ def tail_metrics(alpha, mask=None, positions=None, cfg: MonitorConfig = MonitorC
 
 
 class MismatchMonitor:
-  """Per-step monitor; `update(...)` returns flat metrics and logs bins that fall below tau."""
+  """Per-step monitor; `update(...)` returns flat metrics and warns (once, by default) when a
+  bin falls below tau; `summary_line()` says how often that happened."""
 
-  def __init__(self, cfg: MonitorConfig = MonitorConfig()):
+  WARN_MODES = ("once", "every")
+
+  def __init__(self, cfg: MonitorConfig = MonitorConfig(), *, warn: str = "once"):
     if not isinstance(cfg, MonitorConfig):
       raise ValueError(f"MismatchMonitor: cfg={cfg!r}: expected a MonitorConfig")
+    if warn not in self.WARN_MODES:
+      raise ValueError(f"MismatchMonitor: warn={warn!r}: expected one of {self.WARN_MODES}")
     self.cfg = cfg
-    self.num_warnings = 0
+    self.warn = warn
+    self.num_warnings = 0  # warnings logged at WARNING level
+    self.num_updates = 0  # monitored batches (steps)
+    self.steps: list[int | None] = []  # the step of each monitored batch
+    self.below_steps: list[int | None] = []  # ... of each batch with a bin below tau
+    self.below_bins: dict[int, int] = {}  # bin -> batches in which it was below tau
+    self.lowest: tuple[float, int | None, int] | None = None  # (p5, step, bin), lowest seen
+
+  def should_warn(self) -> bool:
+    """Warn now about a batch below tau? Yes for the first one (or each, `warn="every"`)."""
+    return self.warn == "every" or not self.below_steps
+
+  def _note_below(self, metrics: dict[str, float], below: list[int], step: int | None) -> bool:
+    """Count a batch with bins below tau; returns whether to warn about it."""
+    warn = self.should_warn()
+    self.below_steps.append(step)
+    q = f"p{self.cfg.quantile:g}"
+    for b in below:
+      self.below_bins[b] = self.below_bins.get(b, 0) + 1
+      p = metrics[f"mismatch/{q}_bin_{b}"]
+      if self.lowest is None or p < self.lowest[0]:
+        self.lowest = (p, step, b)
+    return warn
+
+  def summary_line(self) -> str | None:
+    """One line for the end of a run, e.g. "mismatch monitor: p5 below tau=0.860 in 37 of 60
+    steps (1-60; bin 0 in 37), lowest p5 0.6402 (bin 0, step 12)"; None before any update."""
+    if not self.num_updates:
+      return None
+    n, k, tau = self.num_updates, len(self.below_steps), self.cfg.tau
+    q = f"p{self.cfg.quantile:g}"
+    known = [s for s in self.steps if s is not None]
+    span = [f"steps {min(known)}-{max(known)}"] if known else []
+    if not k:
+      return (f"mismatch monitor: {q} at or above tau={tau:.3f} in all {n} steps"
+              + (f" ({span[0]})" if span else ""))
+    bins = [f"bin {b} in {c}" for b, c in sorted(self.below_bins.items())]
+    p, step, b = self.lowest
+    at = f"bin {b}" + ("" if step is None else f", step {step}")
+    return (f"mismatch monitor: {q} below tau={tau:.3f} in {k} of {n} steps "
+            f"({'; '.join(span + bins)}), lowest {q} {p:.4f} ({at})")
 
   def update(self, sparse_ids, sparse_logp, dense_ids, dense_logp, mask, positions=None, *,
              step: int | None = None, dense_logits=None, sparse_logits=None,
@@ -221,15 +270,25 @@ class MismatchMonitor:
     cfg = self.cfg
     bound = lower_bound_alpha(sparse_ids, sparse_logp, dense_ids, dense_logp)
     metrics, below = tail_metrics(bound, mask, positions, cfg)
+    self.num_updates += 1
+    self.steps.append(step)
     if below:
-      self.num_warnings += 1
+      warn = self._note_below(metrics, below, step)
       q = f"p{cfg.quantile:g}"
       desc = ", ".join(
           f"bin {b} (positions {b * cfg.bin_size}-{(b + 1) * cfg.bin_size - 1}: {q} "
           f"{metrics[f'mismatch/{q}_bin_{b}']:.4f}, {int(metrics[f'mismatch/count_bin_{b}'])} "
           "tokens)" for b in below)
-      logger.warning("mismatch monitor%s: tail acceptance below tau=%.3f in %s",
-                     "" if step is None else f" step {step}", cfg.tau, desc)
+      where = "" if step is None else f" step {step}"
+      if warn:
+        self.num_warnings += 1
+        later = ("" if self.warn == "every" else "; later steps below tau are counted, not "
+                 "printed (summary at the end of the run)")
+        logger.warning("mismatch monitor%s: tail acceptance below tau=%.3f in %s%s", where,
+                       cfg.tau, desc, later)
+      else:
+        logger.debug("mismatch monitor%s: tail acceptance below tau=%.3f in %s", where,
+                     cfg.tau, desc)
     if (dense_logits is None) != (sparse_logits is None):
       raise ValueError("exact alpha needs both dense_logits and sparse_logits (or neither)")
     if dense_logits is not None:

@@ -364,7 +364,24 @@ class Checkpointer:
                                                f"{type(meta).__name__}")
     return meta
 
+  # orbax's own JSON files of a step: parsed here first, so a truncated one is named with its
+  # step and file (orbax would report only the state folder and a JSONDecodeError).
+  _ORBAX_JSON = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/_sharding",
+                 "state/array_metadatas/process_0")
+
+  def _check_orbax_json(self, step: int) -> None:
+    for rel in self._ORBAX_JSON:
+      file = os.path.join(self._step_dir(step), *rel.split("/"))
+      if not os.path.isfile(file):  # optional in some orbax versions; orbax reports absence
+        continue
+      try:
+        with open(file) as f:
+          json.load(f)
+      except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointDamagedError(step, file, _first_line(e)) from None
+
   def _saved_shapes(self, step: int) -> dict[str, tuple[int, ...]]:
+    self._check_orbax_json(step)
     try:
       with _quiet_orbax():
         md = self._mgr.item_metadata(step)["state"]
@@ -412,6 +429,7 @@ class Checkpointer:
     step = self._resolve_step(step)
     raw_meta = self._read_metadata(step)  # cheap, and names a damaged metadata file
     if abstract_state is None:
+      self._check_orbax_json(step)
       out = self._orbax_restore(step, lambda: self._mgr.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(), metadata=ocp.args.JsonRestore())))
       meta = dict(out["metadata"])

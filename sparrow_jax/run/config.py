@@ -13,6 +13,7 @@ verl's actor defaults where the script relies on them (dual clip c = 3, token-me
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import typing
 from typing import Any, Mapping, Sequence
 
@@ -362,6 +363,20 @@ def _parse_value(field: dataclasses.Field, raw: str):
   return raw
 
 
+def close_keys(key: str, known) -> list[str]:
+  """Close spellings of `key` among `known` (difflib), best first."""
+  return difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+
+
+def unknown_key_message(key: str, known) -> str:
+  """"unknown config key 'num_step' (did you mean num_steps?)" and where the keys are listed;
+  the whole list of ~100 keys would bury the suggestion."""
+  close = close_keys(key, known)
+  hint = f" (did you mean {close[0]}?)" if close else ""  # the closest only: one clear hint
+  return (f"unknown config key {key!r}{hint}; `python experiments/train.py --list-keys` lists "
+          "every key with its type and default")
+
+
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
   """Parse `key=value` strings into typed TrainConfig field values."""
   fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -372,7 +387,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     key, raw = item.split("=", 1)
     key = key.strip().replace("-", "_")
     if key not in fields:
-      raise ValueError(f"unknown config key {key!r}; valid keys: {', '.join(sorted(fields))}")
+      raise ValueError(unknown_key_message(key, fields))
     out[key] = _parse_value(fields[key], raw.strip())
   return out
 
@@ -395,5 +410,8 @@ def config_from_dict(d: Mapping[str, Any], *, where: str = "saved config") -> Tr
   fields = {f.name for f in dataclasses.fields(TrainConfig)}
   unknown = sorted(set(d) - fields)
   if unknown:
-    raise ValueError(f"{where}: unknown config keys {unknown}; expected TrainConfig fields")
+    close = {k: close_keys(k, fields) for k in unknown}
+    hint = "".join(f" ({k}: did you mean {c[0]}?)" for k, c in close.items() if c)
+    raise ValueError(f"{where}: unknown config keys {unknown}{hint}; expected TrainConfig "
+                     "fields")
   return TrainConfig(**dict(d))

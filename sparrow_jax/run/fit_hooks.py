@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.run.evaluate import evaluate
 
 
@@ -82,6 +83,15 @@ def prompt_text(example) -> str:
   return "\n".join(f"{m['role']}: {m['content']}" for m in example.prompt)
 
 
+def response_text(tokenizer, ids) -> str:
+  """A response as logged in samples.jsonl: with the byte tokenizer, bytes that form no UTF-8
+  character show as `\\xNN` escapes (a lone U+FFFD says nothing about what was sampled);
+  other tokenizers decode as usual."""
+  if isinstance(tokenizer, ByteTokenizer):
+    return tokenizer.decode(ids, skip_special_tokens=True, errors="backslashreplace")
+  return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 def sample_rows(trainer) -> list[dict[str, Any]]:
   """Up to `samples_per_log` completions of the latest rollout when one is due, else []."""
   cfg = trainer.cfg
@@ -95,7 +105,6 @@ def sample_rows(trainer) -> list[dict[str, Any]]:
   for j in order[:cfg.samples_per_log]:
     e = examples[j]  # the prompt example of completion j
     rows.append({"prompt": prompt_text(e), "answer": e.answer,
-                 "response": trainer.tokenizer.decode(comps[j].token_ids,
-                                                      skip_special_tokens=True),
+                 "response": response_text(trainer.tokenizer, comps[j].token_ids),
                  "reward": float(rewards[j]), "finish": comps[j].finish_reason})
   return rows

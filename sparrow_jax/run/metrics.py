@@ -8,6 +8,13 @@ steps it redoes replace their old lines instead of being appended twice; `sample
 (completions logged every `sample_every` steps) is treated the same way, and TensorBoard
 events after s are purged. `read_jsonl` returns the last record of each step.
 
+TensorBoard tags are the metric names exactly as in metrics.jsonl (`val/avg@4`, not the
+`val/avg_4` tensorboardX would make of it: its add_scalar replaces characters that TF 1 node
+names could not hold, which TensorBoard tags can).
+
+The progress bar names what runs (`phase("warm start")`, `phase("compiling")`, ...): the
+warm start and the first compilation take most of a short run's first minute.
+
 Weights & Biases (`loggers` containing "wandb") is optional: the package is imported only
 then, the run id is kept in `wandb_run_id` so a resumed run continues the same wandb run, and
 wandb's own settings (`WANDB_MODE=offline`, ...) apply.
@@ -16,6 +23,7 @@ wandb's own settings (`WANDB_MODE=offline`, ...) apply.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -90,6 +98,7 @@ class MetricsLogger:
     if "wandb" in loggers:
       self._wandb = _start_wandb(out_dir, wandb_project, run_config)
     self._bar = None
+    self.current_phase: str | None = None
     if not quiet:
       try:
         from tqdm import tqdm
@@ -97,6 +106,7 @@ class MetricsLogger:
                          dynamic_ncols=True, file=sys.stderr)
       except ImportError:
         pass
+    self._log_route = _route_logs_around(self._bar) if self._bar is not None else None
 
   def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     rec = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
@@ -104,9 +114,8 @@ class MetricsLogger:
     with open(self.jsonl_path, "a") as f:
       f.write(json.dumps(rec) + "\n")
     if self._tb is not None:
-      for k, v in rec.items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
-          self._tb.add_scalar(k, v, step)
+      _tb_scalars(self._tb, {k: v for k, v in rec.items() if k != "step" and
+                             isinstance(v, (int, float)) and not isinstance(v, bool)}, step)
       self._tb.flush()
     if self._wandb is not None:
       self._wandb.log({k: v for k, v in rec.items() if k != "step" and v is not None
@@ -148,6 +157,18 @@ class MetricsLogger:
                                               data=[[r.get(c) for c in cols] for r in rows])},
                       step=int(step))
 
+  def phase(self, name: str) -> None:
+    """Name what the run is doing now in the progress bar ("warm start", "compiling",
+    "rollout/update"); without a bar (tqdm missing) it is printed as a line, once per
+    change; quiet runs say nothing."""
+    if name == self.current_phase:
+      return
+    self.current_phase = name
+    if self._bar is not None:
+      self._bar.set_description(f"train [{name}]")
+    elif not self.quiet:
+      print(f"[{name}]", file=sys.stderr, flush=True)
+
   def event(self, message: str) -> None:
     """A notable event (schedule switch, skipped step, warning) on the console."""
     if self._bar is not None:
@@ -156,6 +177,9 @@ class MetricsLogger:
       print(message, flush=True)
 
   def close(self) -> dict[str, Any]:
+    if self._log_route is not None:
+      self._log_route()
+      self._log_route = None
     if self._bar is not None:
       self._bar.close()
     if self._tb is not None:
@@ -169,6 +193,46 @@ class MetricsLogger:
       json.dump(summary, f, indent=2)
     plot_history(self.history, os.path.join(self.out_dir, "training.png"))
     return summary
+
+
+class _BarHandler(logging.Handler):
+  """Writes log records above the progress bar (a plain stderr write would glue the record to
+  the bar's line)."""
+
+  def __init__(self, bar):
+    super().__init__()
+    self.bar = bar
+    self.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+
+  def emit(self, record: logging.LogRecord) -> None:
+    try:
+      self.bar.write(self.format(record), file=sys.stderr)
+    except Exception:  # logging must never break the run
+      self.handleError(record)
+
+
+def _route_logs_around(bar):
+  """While the bar is up, the package's log records (the mismatch monitor's warning, ...) go
+  through it; returns the function that undoes this."""
+  log = logging.getLogger("sparrow_jax")
+  handler = _BarHandler(bar)  # (level NOTSET: what the logger's level lets through)
+  propagate = log.propagate
+  log.addHandler(handler)
+  log.propagate = False
+
+  def undo():
+    log.removeHandler(handler)
+    log.propagate = propagate
+  return undo
+
+
+def _tb_scalars(writer, values: Mapping[str, float], step: int) -> None:
+  """Scalars under their own names (see the module docstring): the summary proto is written
+  directly, since `add_scalar` would rename `val/avg@4` to `val/avg_4`."""
+  from tensorboardX.proto.summary_pb2 import Summary
+  summary = Summary(value=[Summary.Value(tag=k, simple_value=float(v))
+                           for k, v in values.items()])
+  writer._get_file_writer().add_summary(summary, step)
 
 
 def _start_wandb(out_dir: str, project: str, run_config: dict | None):
@@ -210,6 +274,9 @@ def summarize(history: list[Mapping[str, Any]], window: int = 3) -> dict[str, An
       "response_len_last": rl[-1].get("response/len_mean"),
       "generated_tokens": int(sum(h.get("rollout/tokens", 0) or 0 for h in rl)),
       "compilations_last": rl[-1].get("compilations"),
+      # Steps whose mismatch monitor found a position bin with p5 below tau (see rl/monitor).
+      **({"steps_below_tau": sum(1 for h in rl if (h.get("mismatch/bins_below_tau") or 0) > 0)}
+         if any("mismatch/bins_below_tau" in h for h in rl) else {}),
   }
 
 

@@ -806,13 +806,16 @@ class Trainer:
     say = logger.event if not self.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     with fit_hooks.StopSignals(say) as stop:
       if self.step == 0 and cfg.warmstart_steps and not self.warmstart_done:
+        logger.phase("warm start")
         self.warmstart(logger)
         self.warmstart_done = True
         if stop.signame:
           self._stop(logger, stop.signame)
+      logger.phase("compiling")  # the first step of a process compiles every stage
       while self.step < cfg.num_steps:
         stop.step = self.step + 1
         metrics = self.train_step()
+        logger.phase("rollout/update")
         metrics.update(fit_hooks.validation_metrics(self))
         logger.log(self.step, metrics)
         rows = fit_hooks.sample_rows(self)
@@ -840,6 +843,8 @@ class Trainer:
             f"{cfg.out_dir} writes it")
       elif cfg.export_hf:
         logger.event(f"exported the policy to {self.export_hf()}")
+    if self.monitor.summary_line():  # the tail warnings, counted (only the first is printed)
+      logger.event(self.monitor.summary_line())
     return logger.close()
 
   def _stop(self, logger: MetricsLogger, signame: str):

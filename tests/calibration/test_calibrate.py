@@ -184,6 +184,57 @@ def test_calibration_end_to_end_resume_and_schedule(tmp_path, prompts_file, monk
   assert [int(r["budget"]) for r in srows] == list(sched.budgets)
 
 
+def test_interrupted_generation_resumes_per_trajectory(tmp_path, prompts_file, monkeypatch):
+  """Killed during generation (here: after its 3rd finished trajectory), a calibration keeps
+  what it sampled in the journal; the rerun generates only the other 5 and keeps the 3 as
+  they were (a line cut short by the kill is ignored)."""
+  from sparrow_jax.engine.engine import GenerationEngine
+
+  out = tmp_path / "calib"
+  extra = ("--num-slots", "4", "--no-verify")  # two waves of 4 sequences
+  argv = [a if a != "110" else "24" for a in _argv(out, prompts_file, 0.9, (1, 2), extra)]
+  submitted = []
+  real_generate = GenerationEngine.generate
+
+  def generate(self, reqs, **kw):
+    submitted.append([r.sampling.seed for r in reqs])
+    inner = kw.get("on_finish")
+    if stop_after[0] is not None and inner is not None:
+      def on_finish(i, c):
+        inner(i, c)
+        if sum(1 for _ in open(out / cal.JOURNAL)) >= stop_after[0]:
+          raise KeyboardInterrupt  # simulated Ctrl-C mid-generation
+      kw["on_finish"] = on_finish
+    return real_generate(self, reqs, **kw)
+
+  monkeypatch.setattr(GenerationEngine, "generate", generate)
+  stop_after = [3]
+  _run_interrupted(lambda: cli.run(argv))
+  lines = (out / cal.JOURNAL).read_text().splitlines()
+  assert len(lines) == 3 and not (out / "trajectories.npz").exists()
+  kept = {json.loads(ln)["i"]: json.loads(ln) for ln in lines}
+  with open(out / cal.JOURNAL, "a") as f:
+    f.write('{"i": 7, "tokens": [5, 6')  # the line the kill cut short
+  stop_after[0] = None
+  submitted.clear()
+
+  def stop_after_generation(*a, **k):  # the teacher-forced passes are tested above
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(cal, "TeacherForced", stop_after_generation)
+  _run_interrupted(lambda: cli.run(argv))
+  all_seeds = [(0 * 1_000_003 + j) & 0x7FFFFFFF for j in range(8)]
+  assert len(submitted) == 1 and sorted(submitted[0]) == sorted(
+      s for j, s in enumerate(all_seeds) if j not in kept)  # only the missing ones
+  traj = cal.Trajectories.load(out / "trajectories.npz")
+  assert traj.num == 8 and np.all(traj.lengths - traj.prompt_lengths == 24)
+  for j, rec in kept.items():  # the journal's trajectories, unchanged
+    np.testing.assert_array_equal(traj.generated(j), rec["tokens"])
+    np.testing.assert_array_equal(traj.logprobs[j, traj.prompt_lengths[j]:traj.lengths[j]],
+                                  np.asarray(rec["logprobs"], np.float32))
+  assert not (out / cal.JOURNAL).exists()  # all in trajectories.npz now
+
+
 def test_alpha_alignment_with_the_rollout(tmp_path, prompts_file):
   """Positions line up: the teacher-forced sparse actor reproduces the engine's log-probs of
   the sampled tokens, the first generated token (dense prefill) has alpha = 1, and a budget

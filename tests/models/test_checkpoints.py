@@ -288,6 +288,15 @@ def test_save_refuses_to_overwrite(tmp_path):
   written = save_pretrained(model, tmp_path, max_shard_bytes=50_000, overwrite=True)
   assert "model.safetensors" not in os.listdir(tmp_path)
   assert sorted(os.listdir(tmp_path)) == sorted(written)
+  # Weight files get the mode of config.json (safetensors alone writes them 0600).
+  modes = {n: os.stat(tmp_path / n).st_mode & 0o777 for n in written}
+  assert set(modes.values()) == {modes["config.json"]}, modes
+  old = os.umask(0o022)
+  try:
+    save_pretrained(model, tmp_path / "u", overwrite=True)
+  finally:
+    os.umask(old)
+  assert os.stat(tmp_path / "u" / "model.safetensors").st_mode & 0o777 == 0o644
   with pytest.raises(ValueError, match="max_shard_bytes=0"):
     save_pretrained(model, tmp_path / "x", max_shard_bytes=0)
 

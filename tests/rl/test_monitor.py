@@ -163,3 +163,43 @@ def test_tempered_topk_is_a_lower_bound_of_the_tempered_logprobs(temperature):
   assert np.all(bound[live] <= ideal[live] + 1e-5)
   if temperature <= 1.0:
     assert np.mean(ideal[live] - bound[live]) < 0.05
+
+
+def test_warns_once_then_summarises(caplog):
+  """37 of 60 steps below tau used to print 37 warnings: now the first one warns (and says
+  the rest are counted), later ones go to DEBUG, and summary_line() counts them."""
+  cfg = MonitorConfig(tau=0.86, bin_size=10, min_count=5)
+  good = np.full((2, 10), 0.99)
+  bad = np.full((2, 10), 0.5)
+
+  def feed(mon, alpha, step):
+    ids = np.zeros(alpha.shape + (1,), np.int32)
+    lp = np.log(alpha)[..., None].astype(np.float32)  # one shared token: bound = alpha
+    return mon.update(ids, lp, ids, lp * 0, np.ones(alpha.shape), step=step)
+
+  mon = MismatchMonitor(cfg)
+  assert mon.summary_line() is None  # nothing monitored yet
+  with caplog.at_level(logging.DEBUG, logger="sparrow_jax.rl.monitor"):
+    for step in range(1, 7):
+      feed(mon, bad if step in (2, 3, 5) else good, step)
+  warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+  debug = [r for r in caplog.records if r.levelno == logging.DEBUG]
+  assert len(warnings) == 1 and "step 2" in warnings[0].getMessage()
+  assert "later steps below tau are counted" in warnings[0].getMessage()
+  assert [("step 3" in r.getMessage(), "step 5" in r.getMessage()) for r in debug] == [
+      (True, False), (False, True)]
+  assert mon.num_warnings == 1 and mon.below_steps == [2, 3, 5]
+  assert mon.summary_line() == ("mismatch monitor: p5 below tau=0.860 in 3 of 6 steps (steps "
+                                "1-6; bin 0 in 3), lowest p5 0.5000 (bin 0, step 2)")
+  every = MismatchMonitor(cfg, warn="every")
+  with caplog.at_level(logging.WARNING, logger="sparrow_jax.rl.monitor"):
+    caplog.clear()
+    feed(every, bad, 1)
+    feed(every, bad, 2)
+  assert len(caplog.records) == 2 and every.num_warnings == 2
+  clean = MismatchMonitor(cfg)
+  feed(clean, good, 4)
+  assert clean.summary_line() == ("mismatch monitor: p5 at or above tau=0.860 in all 1 steps "
+                                  "(steps 4-4)")
+  with pytest.raises(ValueError, match="warn='sometimes'"):
+    MismatchMonitor(cfg, warn="sometimes")

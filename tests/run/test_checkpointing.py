@@ -263,6 +263,21 @@ def test_damaged_step_is_named_and_skipped(tmp_path):
   assert ck.all_steps() == [1, 2, 3]
 
 
+def test_truncated_orbax_json_names_step_and_file(tmp_path):
+  """A truncated `_METADATA` (or another of orbax's JSON files) is named with its step and
+  file, not only its folder."""
+  tree = {"w": jnp.zeros(3), "b": jnp.ones(3)}
+  for i, rel in enumerate(("state/_METADATA", "state/_sharding", "_CHECKPOINT_METADATA")):
+    d = tmp_path / f"ck{i}"
+    ck = Checkpointer(d)
+    ck.save(7, tree, {"step": 7})
+    ck.wait()
+    _truncate(d / "7" / rel)
+    with pytest.raises(CheckpointDamagedError,
+                       match=rf"step 7 is damaged: .*ck{i}/7/{rel}: JSONDecodeError"):
+      Checkpointer(d).restore(7, tree)
+
+
 def test_resume_from_a_damaged_run_says_so_in_a_few_lines(tmp_path, capfd):
   """The CLI falls back to the newest intact step; stderr stays a few lines (orbax's
   asynchronous tracebacks and event-loop noise are not shown)."""

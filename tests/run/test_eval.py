@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 import experiments.eval as eval_cli
 from sparrow_jax.run.config import get_train_config
@@ -48,7 +49,9 @@ def test_eval_cli(tmp_path, capsys):
   assert rc == 0
   out = json.loads(capsys.readouterr().out)
   assert out["eval/prompts"] == 16 and "eval/alpha_p5" in out
-  assert eval_cli.main(["--config", "tiny", "--k", "0"]) == 2
+  with pytest.raises(SystemExit) as e:  # argparse refuses it before anything loads
+    eval_cli.main(["--config", "tiny", "--k", "0"])
+  assert e.value.code == 2 and "--k: '0': expected a positive int" in capsys.readouterr().err
 
 
 def test_eval_checkpoint_reads_weights_not_the_data_position(tmp_path, capsys):

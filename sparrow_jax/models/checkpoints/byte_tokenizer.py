@@ -53,10 +53,14 @@ class ByteTokenizer:
     ids = [b + self._OFFSET for b in text.encode("utf-8")]
     return [self.bos_token_id] + ids if add_bos else ids
 
-  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+  def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, *,
+             errors: str = "replace") -> str:
+    """UTF-8 text of the byte tokens. Bytes that form no character (a multi-byte sequence cut
+    short, or a stray continuation byte) become U+FFFD with `errors="replace"`; logs that must
+    show what was generated pass `errors="backslashreplace"` (`\\xe2`)."""
     out = bytes(int(i) - self._OFFSET for i in ids
                 if self._OFFSET <= int(i) < self.vocab_size)
-    return out.decode("utf-8", errors="replace")
+    return out.decode("utf-8", errors=errors)
 
   def __call__(self, text: str):
     return {"input_ids": self.encode(text)}

@@ -149,6 +149,16 @@ def _existing_weights(path: str) -> list[str]:
                 if n == INDEX_NAME or (n.startswith("model") and n.endswith(".safetensors")))
 
 
+def _save_file(tensors: dict[str, np.ndarray], file: str, *, metadata: dict) -> None:
+  """safetensors' `save_file`, with the mode any other file of the directory gets (0644 under
+  the usual umask 022): safetensors creates its file 0600 whatever the umask, so an exported
+  model was readable only by its owner while config.json and the tokenizer were not."""
+  save_file(tensors, file, metadata=metadata)
+  mask = os.umask(0)
+  os.umask(mask)
+  os.chmod(file, 0o666 & ~mask)
+
+
 def save_hf_dir(model: Decoder, path, *, max_shard_bytes: int | None = None,
                 overwrite: bool = False) -> list[str]:
   """Write `model` as a transformers checkpoint directory (config.json + safetensors).
@@ -185,14 +195,14 @@ def save_hf_dir(model: Decoder, path, *, max_shard_bytes: int | None = None,
     json.dump(cfg_dict, f, indent=2)
     f.write("\n")
   if len(shards) == 1:
-    save_file(tensors, os.path.join(path, SINGLE_NAME), metadata=meta)
+    _save_file(tensors, os.path.join(path, SINGLE_NAME), metadata=meta)
     return written + [SINGLE_NAME]
   weight_map = {}
   n = len(shards)
   for k, names in enumerate(shards, start=1):
     fname = f"model-{k:05d}-of-{n:05d}.safetensors"
-    save_file({name: tensors[name] for name in names}, os.path.join(path, fname),
-              metadata=meta)
+    _save_file({name: tensors[name] for name in names}, os.path.join(path, fname),
+               metadata=meta)
     weight_map.update({name: fname for name in names})
     written.append(fname)
   index = {"metadata": {"total_size": int(sum(t.nbytes for t in tensors.values()))},

