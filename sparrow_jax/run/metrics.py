@@ -176,10 +176,15 @@ class MetricsLogger:
     elif not self.quiet:
       print(message, flush=True)
 
-  def close(self) -> dict[str, Any]:
+  def release_logs(self) -> None:
+    """Give the package's log records back to their usual handlers (closing does this; a run
+    that stops with an exception calls it directly)."""
     if self._log_route is not None:
       self._log_route()
       self._log_route = None
+
+  def close(self) -> dict[str, Any]:
+    self.release_logs()
     if self._bar is not None:
       self._bar.close()
     if self._tb is not None:
@@ -215,14 +220,19 @@ def _route_logs_around(bar):
   """While the bar is up, the package's log records (the mismatch monitor's warning, ...) go
   through it; returns the function that undoes this."""
   log = logging.getLogger("sparrow_jax")
-  handler = _BarHandler(bar)  # (level NOTSET: what the logger's level lets through)
   propagate = log.propagate
+  for old in [h for h in log.handlers if isinstance(h, _BarHandler)]:
+    log.removeHandler(old)  # left by a run that died without closing its logger
+    propagate = old.saved_propagate
+  handler = _BarHandler(bar)  # (level NOTSET: what the logger's level lets through)
+  handler.saved_propagate = propagate
   log.addHandler(handler)
   log.propagate = False
 
   def undo():
-    log.removeHandler(handler)
-    log.propagate = propagate
+    if handler in log.handlers:
+      log.removeHandler(handler)
+      log.propagate = propagate
   return undo
 
 

@@ -803,6 +803,13 @@ class Trainer:
                            run_config=cfg.to_dict(), wandb_project=cfg.wandb_project)
     with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
       json.dump(cfg.to_dict(), f, indent=2)
+    try:
+      return self._fit_steps(logger)
+    finally:
+      logger.release_logs()  # (an exception mid-run must not leave the bar's log handler)
+
+  def _fit_steps(self, logger: MetricsLogger) -> dict[str, Any]:
+    cfg = self.cfg
     say = logger.event if not self.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     with fit_hooks.StopSignals(say) as stop:
       if self.step == 0 and cfg.warmstart_steps and not self.warmstart_done:

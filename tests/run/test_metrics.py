@@ -65,9 +65,27 @@ def test_phases_name_what_runs(tmp_path, capsys):
   bare.phase("warm start")
   bare.phase("warm start")
   assert capsys.readouterr().err == "[warm start]\n"
+  bare.close()
   quiet = MetricsLogger(str(tmp_path / "q"), total_steps=1, tensorboard=False, quiet=True)
   quiet.phase("warm start")
   assert capsys.readouterr().err == ""
+
+
+def test_a_logger_left_open_does_not_double_the_warnings(tmp_path, capsys):
+  """A run that died without closing its logger (an exception in a step) must not leave its
+  bar's handler behind: the next run would print every warning twice."""
+  pytest.importorskip("tqdm")
+  dead = MetricsLogger(str(tmp_path / "dead"), total_steps=2, tensorboard=False)
+  dead._bar.close()  # (never closed through close(): its handler is still attached)
+  live = MetricsLogger(str(tmp_path / "live"), total_steps=2, tensorboard=False)
+  pkg = logging.getLogger("sparrow_jax")
+  assert len(pkg.handlers) == 1
+  capsys.readouterr()
+  logging.getLogger("sparrow_jax.rl.monitor").warning("tail below tau")
+  assert capsys.readouterr().err.count("WARNING:sparrow_jax.rl.monitor:tail below tau") == 1
+  live.release_logs()
+  assert pkg.propagate and not pkg.handlers
+  live.close()
 
 
 def test_summary_counts_steps_below_tau():
