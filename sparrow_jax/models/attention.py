@@ -13,8 +13,7 @@ from typing import Union
 
 import jax.numpy as jnp
 
-from sparrow_jax.pallas_kernels import (dispatch, selection, sparse_decode, teacher_forced,
-                                        train_attention)
+from sparrow_jax.pallas_kernels import dispatch, selection, teacher_forced, train_attention
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
