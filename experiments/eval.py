@@ -56,6 +56,7 @@ def main(argv=None) -> int:
   ap.add_argument("--k", type=int, default=4, help="samples per prompt")
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--top-p", type=float, default=1.0)
+  ap.add_argument("--top-k", type=int, default=0, help="0 = off; applied before --top-p")
   ap.add_argument("--max-prompts", type=int, default=0)
   ap.add_argument("--json", action="store_true", help="print the result as JSON")
   ap.add_argument("overrides", nargs="*")
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     if not examples:
       raise ValueError(f"--data {cfg.data}: no prompt fits max_prompt_len={cfg.max_prompt_len}")
     res = evaluate(trainer, examples, k=args.k, mode=args.mode, temperature=args.temperature,
-                   top_p=args.top_p)
+                   top_p=args.top_p, top_k=args.top_k)
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

@@ -58,7 +58,7 @@ from sparrow_jax.run.dry_run import plan_for_model
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.run.metrics import MetricsLogger
 from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
-from sparrow_jax.engine.sampling import SamplingParams
+from sparrow_jax.engine.sampling import SamplingParams, request_seed
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec,
                                            teacher_forced_budgets)
@@ -68,7 +68,8 @@ _log = logging.getLogger(__name__)
 
 # Engine stats of each rollout logged by the trainer (see `engine.GenerationEngine`).
 _ENGINE_METRICS = ("preemptions", "recomputed_tokens", "pool_high_water_frac",
-                   "wasted_decode_steps", "idle_slot_steps", "decode_steps")
+                   "wasted_decode_steps", "idle_slot_steps", "decode_steps",
+                   "wasted_prefill_tokens", "prefill_padding_frac")
 
 
 class TrainingStopped(RuntimeError):
@@ -148,10 +149,11 @@ class Trainer:
     self._scorer: rewards_lib.RewardScorer | None = None  # started on first use
     # The engine samples greedily at temperature 0 and then reports untempered log-probs.
     self.temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-    if cfg.top_p < 1 and (cfg.tis_cap is not None or cfg.tis_mask_threshold is not None):
-      _log.warning("top_p=%s < 1 with TIS: the rollout log-probs are renormalised over the "
-                   "nucleus, the dense ones are not, so the TIS ratio is biased low by the "
-                   "nucleus mass (see README, Configuration)", cfg.top_p)
+    if (cfg.top_p < 1 or cfg.top_k) and (cfg.tis_cap is not None
+                                         or cfg.tis_mask_threshold is not None):
+      _log.warning("top_p=%s / top_k=%s with TIS: the rollout log-probs are renormalised over "
+                   "the kept set, the dense ones are not, so the TIS ratio is biased low by "
+                   "the kept mass (see README, Configuration)", cfg.top_p, cfg.top_k)
     self.warmstart_done = False
     self.resumed_step: int | None = None
     self.last_rollout = None  # (example of each completion, completions, rewards), last step
@@ -350,9 +352,9 @@ class Trainer:
     for i, e in enumerate(examples):
       ids = encode_prompt(self.tokenizer, e, cfg.chat_template)
       for g in range(cfg.group_size):
-        seed = (cfg.seed * 1_000_003 + step * 9_176 + i * cfg.group_size + g
-                + round_ * 0x5BD1E995) & 0x7FFFFFFF
+        seed = request_seed(cfg.seed, step, round_, i, g)
         reqs.append(Request(ids, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                                top_k=cfg.top_k,
                                                 max_new_tokens=cfg.max_new_tokens, seed=seed),
                             (i, g), group=(round_, i)))
     lora = self.lora if self.cfg.distill else None
@@ -691,8 +693,8 @@ class Trainer:
             "arrol": (None if self.arrol is None else
                       {"step": self.arrol.step,
                        "calibrator": self.arrol.calibrator.state_dict()}),
-            # Sampling keys are fold_in(PRNGKey(seed), position) with seed derived from
-            # (config seed, step, prompt, sample): the step and seed fix every random draw.
+            # Sampling keys are fold_in(key(seed), position) with seed = request_seed(config
+            # seed, step, round, prompt, sample): the step and seed fix every random draw.
             "rng": {"seed": self.cfg.seed, "scheme": "per-request fold_in(seed, position)"}}
 
   def _ladder_state(self):

@@ -54,17 +54,17 @@ def _requests():
 
 
 def _instrument(eng, events):
-  prefill, decode = eng._prefill, eng._decode_chunk
+  prefill, decode = eng._prefill, eng._dispatch
 
-  def p(sched, admitted, *a):
+  def p(run, admitted):
     events.append(("prefill", len(admitted)))
-    return prefill(sched, admitted, *a)
+    return prefill(run, admitted)
 
   def d(*a, **k):
     events.append(("decode", 0))
     return decode(*a, **k)
 
-  eng._prefill, eng._decode_chunk = p, d
+  eng._prefill, eng._dispatch = p, d
 
 
 def _hidden_at(model, tokens, pos, attention=None, lora=None, prompt_len=None, page=None):

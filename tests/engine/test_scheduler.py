@@ -136,7 +136,7 @@ def test_scheduler_admits_fcfs_and_preempts_the_latest_admission():
   assert [s.index for s in admitted] == [0, 1]
   assert [s.index for s in sched.queue] == [2, 3]  # seq 3 would fit but does not overtake
   for s in admitted:
-    s.tokens, s.length = [9], 7
+    s.num_tokens, s.length = 1, 7
   seqs[0].length = 20  # seq 0 needs 3 more pages, 2 are free: seq 1 (latest admission) yields
   running = sched.grow()
   assert [s.index for s in running] == [0]
@@ -144,8 +144,9 @@ def test_scheduler_admits_fcfs_and_preempts_the_latest_admission():
   assert seqs[1].preemptions == 1 and seqs[1].pages == [] and seqs[1].slot == -1
   assert len(seqs[0].pages) == 6 and sched.allocators[0].num_free == 2
   assert sched.stats.preemptions == 1
-  assert sched.admit() == []  # seq 1 needs 3 pages (7 + 1 generated + 4): it waits
+  assert sched.admit() == []  # the shard preempted in this iteration: it admits nothing
   sched.release(seqs[0])  # seq 0 finishes
+  assert sched.grow() == []  # the next iteration: nothing left to grow
   readmitted = sched.admit()
   assert [s.index for s in readmitted] == [1, 2, 3]
   assert sched.stats.recomputed_tokens == 8
