@@ -195,6 +195,10 @@ class Completion:
   detect_index: int = -1  # generated-token index of that point (-1: none)
 
 
+_COUNTS = ("prefills", "prefill_tokens", "decode_chunks", "decode_steps", "idle_slot_steps",
+           "wasted_decode_steps", "overlapped_chunks", "device_wait_s")
+
+
 def _next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -628,7 +632,9 @@ class GenerationEngine:
       s.tokens = out.tokens[s.index]  # the sequence's row of the token buffer (a view)
     run = _Run(sched=sched, seqs=seqs, table=RequestTable(seqs, self.model_config.vocab_size),
                out=out, budgets=self._table(), lora=self._replicate(lora), prune=prune)
+    run.counts.update(dict.fromkeys(_COUNTS, 0))  # every stat present, even when zero
     if prune is not None:
+      run.counts.update(dict.fromkeys(("pruned", "pruned_running", "prune_candidates"), 0))
       run.tracker = GroupTracker(seqs, prune.detect_len)
       run.det = DetectionTable(len(seqs), self.model_config.hidden_size)
       head = prune.head_params

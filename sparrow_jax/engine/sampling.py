@@ -108,9 +108,10 @@ def request_seed(run_seed, step, round_, prompt, sample):
     if a.dtype == bool or not np.issubdtype(a.dtype, np.integer) or (a < 0).any():
       raise ValueError(f"request_seed: {name}={v!r}: expected non-negative integer(s)")
     arrays[name] = a.astype(np.uint64)
-  key = _mix64(np.asarray(int(run_seed) % SEED_LIMIT, np.uint64))
-  for a in arrays.values():
-    key = _fold_in(key, a)
+  with np.errstate(over="ignore"):  # uint64 arithmetic is meant to wrap
+    key = _mix64(np.asarray(int(run_seed) % SEED_LIMIT, np.uint64))
+    for a in arrays.values():
+      key = _fold_in(key, a)
   scalar = all(np.ndim(v) == 0 for v in levels.values())
   return int(key) if scalar else key
 
