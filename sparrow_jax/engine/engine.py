@@ -66,134 +66,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sparrow_jax.engine.config import Completion, EngineConfig, Request, resolve_pool_pages
 from sparrow_jax.engine.outputs import OutputBuffers, RequestTable
 from sparrow_jax.engine.pruning import (DetectionTable, GroupTracker, PruneCandidate,
-                                        PruneHook, empty_record, record_detection)
-from sparrow_jax.engine.sampling import SamplingParams, sample_tokens, topk_logprobs
+                                        PruneHook)
 from sparrow_jax.engine.scheduler import Scheduler, SeqState
+from sparrow_jax.engine.steps import AXIS, DeviceSteps
 from sparrow_jax.models import attention as attn_lib
-from sparrow_jax.models.decoder import Decoder, rope_tables
-from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page, pages_for
-from sparrow_jax.models.quality_head import init_quality_head, quality_logits
-from sparrow_jax.schedule.schedule import (SparsitySchedule, as_schedule, budget_pages,
-                                           max_budget, teacher_forced_budgets)
+from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page
+from sparrow_jax.models.quality_head import init_quality_head
+from sparrow_jax.schedule.schedule import SparsitySchedule, as_schedule, max_budget
 
-AXIS = "rollout"  # the one mesh axis of the engine: every device is a shard
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-  """Static shape of the engine. Slot and pool sizes are per device (shard)."""
-
-  num_slots: int = 8  # concurrent sequences per device
-  max_seq_len: int = 2048  # prompt + generated tokens of one sequence
-  page_size: int = 16
-  num_pages: int | None = None  # pool pages per device incl. the null page
-  kv_cache_bytes: int | None = None  # pool bytes per device (K, V, landmarks)
-  kv_cache_memory_fraction: float | None = None  # of the device's free memory (GPU)
-  decode_chunk: int = 16  # decode steps per jitted call
-  cache_dtype: str | None = None  # default: the model's compute dtype
-  logprobs_topk: int = 0  # keep the top-k log-probs of every generated token (monitor)
-  min_page_bucket: int = 8  # smallest compiled page-table width (pages)
-  page_buckets_per_octave: int = 4  # compiled widths per doubling (1: powers of two)
-  # Admission keeps this fraction of a shard's pool free for the running sequences to grow
-  # into (vLLM's watermark, 0.01 there too); a shard with nothing running ignores it.
-  admission_watermark: float = 0.01
-  # Dispatch the next decode chunk before reading the previous one back when the scheduler
-  # allows (nothing queued, pages for two chunks): the host work overlaps the device's.
-  overlap_chunks: bool = True
-
-  def __post_init__(self):
-    for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk", "min_page_bucket",
-              "page_buckets_per_octave"):
-      v = getattr(self, f)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"EngineConfig.{f}={v!r}: expected an int >= 1")
-    if self.page_size & (self.page_size - 1):
-      raise ValueError(f"EngineConfig.page_size={self.page_size}: expected a power of two")
-    given = [f for f in ("num_pages", "kv_cache_bytes", "kv_cache_memory_fraction")
-             if getattr(self, f) is not None]
-    if len(given) > 1:
-      raise ValueError(f"EngineConfig: {' and '.join(given)} both size the KV pool; give one")
-    if self.num_pages is not None and self.num_pages < 2:
-      raise ValueError(f"EngineConfig.num_pages={self.num_pages}: expected >= 2 (page 0 is "
-                       "the null page)")
-    if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-      raise ValueError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes}: expected > 0")
-    f = self.kv_cache_memory_fraction
-    if f is not None and not 0 < f <= 1:
-      raise ValueError(f"EngineConfig.kv_cache_memory_fraction={f}: expected in (0, 1]")
-    if self.logprobs_topk < 0:
-      raise ValueError(f"EngineConfig.logprobs_topk={self.logprobs_topk}: expected >= 0")
-    if not 0 <= self.admission_watermark < 1:
-      raise ValueError(f"EngineConfig.admission_watermark={self.admission_watermark}: "
-                       "expected a fraction of the pool in [0, 1)")
-
-  @property
-  def max_pages_per_seq(self) -> int:
-    return pages_for(self.max_seq_len, self.page_size)
-
-  @property
-  def worst_case_pages(self) -> int:
-    """Pool pages for every slot at `max_seq_len` (+ the null page)."""
-    return self.num_slots * self.max_pages_per_seq + 1
-
-
-def resolve_pool_pages(config: EngineConfig, bytes_per_page: int, device=None) -> int:
-  """Pages of one device's pool (null page included) for `config`."""
-  if config.num_pages is not None:
-    return config.num_pages
-  if config.kv_cache_bytes is not None:
-    budget = config.kv_cache_bytes
-    what = f"kv_cache_bytes={config.kv_cache_bytes}"
-  elif config.kv_cache_memory_fraction is not None:
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-      raise ValueError(
-          f"EngineConfig.kv_cache_memory_fraction={config.kv_cache_memory_fraction}: device "
-          f"{device} does not report its memory; give kv_cache_bytes or num_pages instead")
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    budget = int(config.kv_cache_memory_fraction * free)
-    what = (f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of "
-            f"{free / 1e9:.2f} GB free")
-  else:
-    return config.worst_case_pages
-  pages = budget // bytes_per_page
-  if pages < 2:
-    raise ValueError(f"EngineConfig {what}: {budget} bytes hold {pages} page(s) of "
-                     f"{bytes_per_page} bytes; need at least 2 (the null page and one more)")
-  return int(pages)
-
-
-@dataclasses.dataclass
-class Request:
-  prompt_ids: Sequence[int]
-  sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-  request_id: Any = None
-  group: Any = None  # prompt group (GRPO): pruning decides per group
-
-
-@dataclasses.dataclass
-class Completion:
-  """One finished sequence. `finish_reason` is 'stop' (EOS/stop id, included in
-  `token_ids`), 'length' (max_new_tokens), 'context' (max_seq_len reached) or 'pruned'
-  (removed by the prune hook while running; `pruned` is also set for a sequence that finished
-  after L_detect but before its group was decided)."""
-
-  request_id: Any
-  prompt_ids: np.ndarray  # [P] int32
-  token_ids: np.ndarray  # [n] int32
-  logprobs: np.ndarray  # [n] float32, under the sampling distribution
-  finish_reason: str
-  topk_ids: np.ndarray | None = None  # [n, k] int32
-  topk_logprobs: np.ndarray | None = None  # [n, k] float32
-  preemptions: int = 0  # times the sequence was preempted and recomputed
-  pruned: bool = False  # removed by the prune hook (tokens are those generated until then)
-  quality_logit: float | None = None  # head logit at the detection point (prune hook)
-  detect_hidden: np.ndarray | None = None  # [D] final-normed hidden state there
-  detect_index: int = -1  # generated-token index of that point (-1: none)
-
+__all__ = ["AXIS", "Completion", "EngineConfig", "GenerationEngine", "Request",
+           "resolve_pool_pages"]
 
 _COUNTS = ("prefills", "prefill_tokens", "decode_chunks", "decode_steps", "idle_slot_steps",
            "wasted_decode_steps", "overlapped_chunks", "device_wait_s")
@@ -236,7 +122,7 @@ class _Chunk:
   occupied: np.ndarray  # [D] running rows per shard
 
 
-class GenerationEngine:
+class GenerationEngine(DeviceSteps):
   """Batched generation with a paged KV cache, continuous batching and preemption."""
 
   def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
@@ -349,136 +235,6 @@ class GenerationEngine:
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
 
-  # --- jitted bodies (per-device code, run under shard_map) -------------------------------
-  def _prefill_local(self, attention, max_top_k, state, cache, tokens, lengths, slots,
-                     page_rows, seeds, temps, top_ps, top_ks, table, prompt_lengths, lora,
-                     det=None):
-    """Prefill rows `[n, T]`, sample each one's next token. With `det` (pruning), also the
-    detection record of each row's last context token: the one input token of a sequence
-    that no decode step takes (for a readmitted sequence, its last generated token)."""
-    model = nnx.merge(self.graphdef, state)
-    n, t = tokens.shape
-    budgets = None
-    if isinstance(attention, attn_lib.BlockSparse):
-      budgets = teacher_forced_budgets(self.schedule, t, n, table)
-    cache, logits, hidden = model.prefill(cache, tokens, lengths, slots, page_rows,
-                                          attention=attention, budgets=budgets,
-                                          prompt_lengths=prompt_lengths, lora=lora,
-                                          return_hidden=True)
-    tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks,
-                            max_top_k=max_top_k)
-    tk = self._topk(logits)
-    rec = ()
-    if det is not None:
-      hidden = hidden.astype(jnp.float32)
-      last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]  # [n]
-      valid = slots < self.config.num_slots  # padding rows have an out-of-range slot
-      rec = record_detection(empty_record(n, hidden.shape[-1]), last, lengths - 1, valid,
-                             hidden, quality_logits(det[0], hidden), det)
-    return cache, tok, lp, tk, rec
-
-  def _topk(self, logits):
-    k = self.config.logprobs_topk
-    if k:
-      return topk_logprobs(logits, k)
-    b = logits.shape[0]
-    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
-
-  def _decode_local(self, max_top_k, state, cache, tokens, active, remaining, stop_ids, seeds,
-                    temps, top_ps, top_ks, table, lora, det=None):
-    """Up to `decode_chunk` steps. `det` (pruning) = (head_params, det_stop_ids [S],
-    prompt_len [B], det_end [B]): records the hidden state and head logit at the last stop
-    token in the detection window [prompt_len, det_end] and at the latest token in it.
-    Returns the final (token, active, remaining, tokens generated) too: the next chunk can
-    start from them before the host has read this one."""
-    model = nnx.merge(self.graphdef, state)
-    c, b, k = self.config.decode_chunk, tokens.shape[0], self.config.logprobs_topk
-    outs = (jnp.zeros((c, b), jnp.int32), jnp.zeros((c, b), jnp.float32),
-            jnp.zeros((c, b, k), jnp.int32), jnp.zeros((c, b, k), jnp.float32))
-    rec0 = empty_record(b, self.model_config.hidden_size) if det is not None else ()
-
-    # RoPE tables of the whole chunk, computed once outside the loop: an active slot's step j
-    # writes at position lengths + j (an inactive slot's outputs are discarded anyway).
-    pos = cache.lengths[None, :] + jnp.arange(c, dtype=jnp.int32)[:, None]  # [C, B]
-    mc = self.model_config
-    cos_t, sin_t = rope_tables(pos, mc.head_dim, mc.rope_theta)  # [C, B, Dh] x2
-
-    def cond(carry):
-      step, active = carry[0], carry[3]
-      return (step < c) & jnp.any(active)
-
-    def body(carry):
-      step, cache, tok, active, remaining, count, outs, rec = carry
-      budgets = None
-      if self.schedule is not None:
-        budgets = budget_pages(self.schedule, cache.lengths + 1, table)
-      pos = cache.lengths  # position of the input token
-      rope = (jax.lax.dynamic_index_in_dim(cos_t, step, 0, keepdims=False),
-              jax.lax.dynamic_index_in_dim(sin_t, step, 0, keepdims=False))
-      cache, logits, hidden = model.decode(cache, tok, active, attention=self.attention,
-                                           budgets=budgets, lora=lora, return_hidden=True,
-                                           rope=rope)
-      if det is not None:
-        hidden = hidden.astype(jnp.float32)
-        rec = record_detection(rec, tok, pos, active, hidden, quality_logits(det[0], hidden),
-                               det)
-      new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks,
-                                  max_top_k=max_top_k)
-      tk_ids, tk_lp = self._topk(logits)
-      row = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, step, 0)
-      outs = tuple(row(o, x) for o, x in zip(outs, (new_tok, lp, tk_ids, tk_lp)))
-      # Device-side finish: a stop id or the last allowed token ends the sequence now.
-      remaining = remaining - active.astype(jnp.int32)
-      count = count + active.astype(jnp.int32)
-      done = jnp.any(new_tok[:, None] == stop_ids, axis=-1) | (remaining <= 0)
-      new_tok = jnp.where(active, new_tok, tok)
-      return step + 1, cache, new_tok, active & ~done, remaining, count, outs, rec
-
-    init = (jnp.int32(0), cache, tokens, active, remaining, jnp.zeros_like(remaining), outs,
-            rec0)
-    steps, cache, tok, active, remaining, count, outs, rec = jax.lax.while_loop(cond, body,
-                                                                                init)
-    return cache, outs, steps[None], rec, (tok, active, remaining, count)
-
-  def _get_prefill(self, attention, max_top_k: int = 0, with_det: bool = False):
-    key = (attention, max_top_k, with_det)
-    if key not in self._prefill_fn:
-      def fn(state, cache, *args):
-        self.num_compilations += 1  # runs at trace time only
-        local = lambda st, ca, *a: self._prefill_local(attention, max_top_k, st, ca, *a)
-        rows = P(AXIS)
-        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
-                    P(), rows, P())
-        rec_specs = ()
-        if with_det:
-          in_specs += ((P(), P(), rows, rows),)
-          rec_specs = (rows,) * 6
-        out_specs = (self._cache_specs(), rows, rows, (rows, rows), rec_specs)
-        return self._shard(local, in_specs, out_specs)(state, cache, *args)
-      self._prefill_fn[key] = jax.jit(fn, donate_argnums=(1,))
-    return self._prefill_fn[key]
-
-  def _get_decode(self, with_det: bool = False, max_top_k: int = 0):
-    key = (self.attention, None if self.schedule is None
-           else (self.schedule.bin_size, self.schedule.num_bins), with_det, max_top_k)
-    if key not in self._decode_fn:
-      def fn(state, cache, *args):
-        self.num_compilations += 1
-        rows = P(AXIS)
-        cols = P(None, AXIS)
-        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
-                    P(), P())
-        rec_specs = ()
-        if with_det:
-          in_specs += ((P(), P(), rows, rows),)
-          rec_specs = (rows,) * 6
-        out_specs = (self._cache_specs(), (cols, cols, cols, cols), rows, rec_specs,
-                     (rows,) * 4)
-        local = lambda st, ca, *a: self._decode_local(max_top_k, st, ca, *a)
-        return self._shard(local, in_specs, out_specs)(state, cache, *args)
-      self._decode_fn[key] = jax.jit(fn, donate_argnums=(1,))
-    return self._decode_fn[key]
-
   # --- host side ------------------------------------------------------------------------
   def set_attention(self, attention: attn_lib.AttentionSpec, schedule=None) -> None:
     """Switch schedule/strategy. Budgets are traced, so a new table alone never recompiles;
@@ -586,9 +342,11 @@ class GenerationEngine:
         pending = self._dispatch(run, running)
       nxt = None
       # Overlap: with nothing queued, freed slots and pages have no taker, so the next chunk
-      # can start from this one's device outputs if the pool holds two chunks more of every
-      # sequence (never preempting for it).
-      if self.config.overlap_chunks and not sched.queue and sched.reserve(2 * chunk):
+      # can start from this one's device outputs if some sequence may outlive this chunk and
+      # the pool holds two chunks more of every sequence (never preempting for it).
+      if (self.config.overlap_chunks and not sched.queue
+          and any(s.remaining > chunk for s in pending.rows if s is not None)
+          and sched.reserve(2 * chunk)):
         running = sched.running()
         if running:
           nxt = self._dispatch(run, running, prev=pending)
@@ -757,8 +515,14 @@ class GenerationEngine:
     valid = row_seq >= 0
     plen = np.where(valid, run.table.prompt_len[np.where(valid, row_seq, 0)], 0)
     det_end = np.where(valid, plen + run.prune.detect_len - 1, -1)
-    return (*run.det_consts, jnp.asarray(plen.astype(np.int32)),
-            jnp.asarray(det_end.astype(np.int32)))
+    return (*run.det_consts, self._rows(plen.astype(np.int32)),
+            self._rows(det_end.astype(np.int32)))
+
+  def _rows(self, x):
+    """A per-row host array placed as the decode step's outputs are (split over the rollout
+    devices), so a chunk fed from the host and one fed from the previous chunk's outputs
+    hit the same compiled program."""
+    return jax.device_put(x, NamedSharding(self.mesh, P(AXIS)))
 
   def _zero_table(self):
     return jnp.zeros((self.num_shards * self.config.num_slots, 1), jnp.int32)
@@ -778,17 +542,17 @@ class GenerationEngine:
     alive = row_seq >= 0
     if prev is None:
       stop_ids, seeds, temps, top_ps, top_ks = run.table.rows(row_seq)
-      params = tuple(jnp.asarray(x) for x in (stop_ids, seeds, temps, top_ps, top_ks))
+      params = tuple(self._rows(x) for x in (stop_ids, seeds, temps, top_ps, top_ks))
       det = (self._det_rows(run, row_seq),) if run.prune is not None else ()
       tokens = np.zeros((d * b,), np.int32)
       remaining = np.zeros((d * b,), np.int32)
       for r in np.flatnonzero(alive):
         tokens[r], remaining[r] = rows[r].pending, rows[r].remaining
-      tokens, active, remaining = (jnp.asarray(x) for x in (tokens, alive, remaining))
+      tokens, active, remaining = (self._rows(x) for x in (tokens, alive, remaining))
     else:
       params, det = prev.params, prev.det
       tokens, active, remaining, _ = prev.carry
-      active = jnp.logical_and(active, jnp.asarray(alive))
+      active = jnp.logical_and(active, self._rows(alive))
     cache = self._pool().replace(page_table=jnp.asarray(run.sched.page_table(width)))
     fn = self._get_decode(run.prune is not None, run.table.max_top_k)
     self._kv, outs, steps, rec, carry = fn(self.state, cache, tokens, active, remaining,

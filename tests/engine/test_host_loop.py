@@ -70,6 +70,8 @@ def test_overlapped_chunks_give_the_synchronous_outputs(model):
     stats[overlap] = eng.last_stats
     assert all(a.num_used == 0 for a in eng.last_scheduler.allocators)
   assert stats[True]["overlapped_chunks"] > 0 and stats[False]["overlapped_chunks"] == 0
+  # A chunk fed from the previous one's outputs runs the program a host-fed chunk compiled.
+  assert stats[True]["compilations"] == stats[False]["compilations"]
   assert stats[True]["pruned_running"] > 0
   assert any(c.finish_reason == "stop" for c in outs[True])
   _assert_same(outs[True], outs[False])
