@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from sparrow_jax.models.kv_cache import NULL_PAGE, page_table_row, pages_for
+from sparrow_jax.models.kv_cache import NULL_PAGE, pages_for
 
 
 class PageAllocator:
@@ -164,6 +164,9 @@ class Scheduler:
     self.queue: collections.deque[SeqState] = collections.deque()
     self._counter = itertools.count()
     self.preempted_shards: set[int] = set()  # shards that preempted in the last grow()
+    # The page table of every slot, kept as pages are handed out and freed (local page ids;
+    # free slots and unused columns -> the null page): a chunk's table is a slice of it.
+    self._table = np.zeros((num_shards * num_slots, max_pages_per_seq), np.int32)
     self.stats = SchedulerStats(pool_capacity=self.allocators[0].capacity,
                                 shard_admissions=[0] * num_shards)
 
@@ -216,8 +219,9 @@ class Scheduler:
         # Another shard may have room; the queue head is tried there next (same order).
         continue
       self.queue.popleft()
-      seq.pages = alloc.alloc(need)
+      seq.pages = []
       seq.shard, seq.slot = d, j
+      self._give(seq, need)
       seq.admitted_at = next(self._counter)
       seq.length = 0  # set by the prefill
       seq.prefilled, seq.decoded = length, False
@@ -247,7 +251,7 @@ class Scheduler:
         if victim is seq:
           break
       if seq.slot >= 0 and need > 0:
-        seq.pages.extend(alloc.alloc(need))
+        self._give(seq, need)
     self._update_high_water()
     return self.running()
 
@@ -263,7 +267,7 @@ class Scheduler:
       return False
     for s, n in needs:
       if n > 0:
-        s.pages.extend(self.allocators[s.shard].alloc(n))
+        self._give(s, n)
     self._update_high_water()
     return True
 
@@ -283,17 +287,20 @@ class Scheduler:
       return
     self.allocators[seq.shard].free(seq.pages)
     self.slots[seq.shard][seq.slot] = None
+    self._table[seq.shard * self.num_slots + seq.slot] = NULL_PAGE
     seq.pages, seq.slot, seq.length = [], -1, 0
+
+  def _give(self, seq: SeqState, n: int) -> None:
+    """`n` more pages of its shard's pool for a running sequence (and its page-table row)."""
+    pages = self.allocators[seq.shard].alloc(n)
+    row = seq.shard * self.num_slots + seq.slot
+    self._table[row, len(seq.pages):len(seq.pages) + n] = pages
+    seq.pages.extend(pages)
 
   # --- device views -------------------------------------------------------------------------
   def page_table(self, width: int) -> np.ndarray:
     """`[shards * slots, width]` int32 page table (local page ids; free slots -> null page)."""
-    out = np.zeros((self.num_shards * self.num_slots, width), np.int32)
-    for d, shard in enumerate(self.slots):
-      for j, s in enumerate(shard):
-        if s is not None:
-          out[d * self.num_slots + j] = page_table_row(s.pages[:width], width)
-    return out
+    return self._table[:, :width].copy()
 
   def _update_high_water(self) -> None:
     self.stats.pool_high_water = max(self.stats.pool_high_water,
