@@ -137,7 +137,11 @@ def test_arrol_decisions_do_not_depend_on_the_pool(tmp_path):
   assert len(big) == len(small)
   for a, b in zip(big, small):
     for (ida, pa, da, la, ta), (idb, pb, db, lb, tb) in zip(a, b):
-      assert (ida, pa, da, ta) == (idb, pb, db, tb)
+      assert (ida, pa, da) == (idb, pb, db)
+      # A rollout pruned while running stops when its group is decided, which waits for the
+      # group's slowest member: its partial tokens (dropped by the trainer) depend on the pool.
+      n = min(len(ta), len(tb)) if pa else len(ta)
+      assert ta[:n] == tb[:n] and (pa or ta == tb)
       assert (la is None) == (lb is None)
       if la is not None:
         assert la == pytest.approx(lb, abs=1e-5)
