@@ -23,6 +23,11 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           `qwen3-1.7b-0.86` schedule, random-init Qwen3-1.7B (bf16), batch 16,
                           at 8K/16K/32K tokens held (contexts filled with random K/V and their
                           landmarks instead of a prefill): ms/step, tokens/s, speedup.
+  f readmission_agreement the same requests (temperature 1) through a pool that forces
+                          preemptions and one that fits everyone, dense and block-sparse on
+                          the kernel backend: on GPU a readmission's cache is recomputed by
+                          the XLA prefill where the bf16 decode kernel first wrote it, so the
+                          tokens after it agree only almost always; counts how often.
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
 its numbers. Every section gets a time guard (its budget, capped by what is left of
 `--budget-s`): a measurement that would start past it is recorded under "skipped" instead, so
@@ -114,6 +119,12 @@ SMOKE = Sizes(  # every code path once, at the smallest shapes the kernels accep
 # engine; the dense and sparse engines are built one after the other).
 FULL_ENGINE = dict(model="qwen3_1p7b", overrides={}, batch=16, chunk=8,
                    contexts=(8192, 16384, 32768))
+# Section f: requests, prompt / generated tokens, slots and the preempting pool (in sequences
+# of the longest request it holds at once).
+FULL_READMIT = dict(model="qwen3_1p7b", overrides={}, requests=32, prompt=256, new=512,
+                    slots=16, pool_seqs=5, chunk=16, budget=16)
+SMOKE_READMIT = dict(model="tiny", overrides=dict(num_layers=2, head_dim=16), requests=3,
+                     prompt=8, new=16, slots=2, pool_seqs=1, chunk=4, budget=1)
 SMOKE_ENGINE = dict(model="tiny", overrides=dict(num_layers=3, head_dim=16), batch=2, chunk=2,
                     contexts=(256,))
 
@@ -399,25 +410,20 @@ def dense_baseline(run: Run) -> dict:
 def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
   """Admit `num_seqs` sequences holding `context` tokens each into `engine` without a prefill:
   every pool page gets random K/V (decode cost does not depend on the values) and landmarks
-  computed from those keys (so sparse steps select pages as they would). Returns the
-  scheduler the engine's decode chunks run against."""
+  computed from those keys (so sparse steps select pages as they would). Returns the host
+  state of a generate call (`engine._begin`) the engine's decode chunks run against."""
   from sparrow_jax.engine.engine import Request
   from sparrow_jax.engine.sampling import SamplingParams
-  from sparrow_jax.engine.scheduler import Scheduler
 
   c = engine.config
-  sched = Scheduler(num_shards=1, num_slots=c.num_slots, num_pages=engine.pool_pages,
-                    page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
-                    chunk=c.decode_chunk)
   reqs = [Request([3] * context, SamplingParams(temperature=0.0, ignore_eos=True,
                                                max_new_tokens=c.max_seq_len - context), i)
           for i in range(num_seqs)]
-  seqs = engine._validate(reqs, sched)
-  sched.submit(seqs)
-  admitted = sched.admit()
+  run = engine._begin(reqs)
+  admitted = run.sched.admit()
   assert len(admitted) == num_seqs, "the pool must hold every sequence"
   for sq in admitted:
-    sq.tokens, sq.length = [5], context  # one pending token on top of `context` held
+    sq.tokens[0], sq.num_tokens, sq.length = 5, 1, context  # one pending token on top
   kind = engine._landmark
 
   @jax.jit
@@ -438,17 +444,15 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
     return kv.replace(k=tuple(ks), v=tuple(vs), landmarks=tuple(lms), lengths=lengths)
 
   engine._kv = jax.block_until_ready(fill(engine._kv, jax.random.key(seed)))
-  return sched
+  return run
 
 
-def decode_step_ms(run: Run, engine, sched, steps: int) -> float:
+def decode_step_ms(run: Run, engine, state, steps: int) -> float:
   """Median ms per decode step over `repeats` chunks (the first, compiling one, excluded)."""
-  from collections import Counter
-  table = engine._table()
   times = []
   for r in range(run.sizes.repeats + 1):
     t0 = time.perf_counter()
-    engine._decode_chunk(sched, sched.grow(), table, None, {}, Counter())
+    engine._decode_chunk(state, state.sched.grow())
     jax.block_until_ready(engine._kv.k[0])
     if r:
       times.append(time.perf_counter() - t0)
@@ -495,6 +499,63 @@ def engine_decode(run: Run) -> dict:
                      speedup=out["dense"] / out["sparse"]))
   return dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, rows=rows,
               note="contexts filled with random K/V and their landmarks; bf16 weights/cache")
+
+
+@section("f", "readmission_agreement", budget_s=150)
+def readmission_agreement(run: Run) -> dict:
+  """Tokens of preempted (and readmitted) requests against a pool that fits everyone."""
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+  from sparrow_jax.engine.sampling import SamplingParams
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.decoder import init_model
+
+  z = SMOKE_READMIT if run.smoke else FULL_READMIT
+  dtype = "float32" if run.smoke else "bfloat16"
+  mcfg = get_config(z["model"], dtype=dtype, param_dtype=dtype, eos_token_ids=(),
+                    **z["overrides"])
+  model = init_model(mcfg)
+  page = run.sizes.page_size
+  rng = np.random.default_rng(0)
+  reqs = [Request(list(rng.integers(3, mcfg.vocab_size, z["prompt"])),
+                  SamplingParams(temperature=1.0, max_new_tokens=z["new"], seed=i), i)
+          for i in range(z["requests"])]
+  max_len = z["prompt"] + z["new"]
+  per_seq = -(-max_len // page)
+  # The kernels in interpret mode compile for minutes; the CPU smoke checks the section on XLA.
+  backend = "xla" if run.smoke else run.backend.value
+  rows = []
+  for name, att in (("dense", attn_lib.Dense(backend=backend)),
+                    ("sparse", attn_lib.BlockSparse(max_budget=z["budget"], page_size=page,
+                                                    dense_layers=(0,), backend=backend))):
+    if not run.has_time(name):
+      continue
+    base = dict(num_slots=z["slots"], max_seq_len=max_len, page_size=page,
+                decode_chunk=z["chunk"])
+    outs, stats = {}, {}
+    for pool, extra in (("fits", {}), ("tight", dict(num_pages=z["pool_seqs"] * per_seq + 1))):
+      eng = GenerationEngine(model, EngineConfig(**base, **extra), attention=att)
+      outs[pool], stats[pool] = eng.generate(reqs), eng.last_stats
+      del eng
+    pre = [i for i, c in enumerate(outs["tight"]) if c.preemptions]
+    same_prefix = total = identical = 0
+    for i in pre:
+      a, b = outs["fits"][i].token_ids, outs["tight"][i].token_ids
+      n = min(len(a), len(b))
+      diff = np.flatnonzero(a[:n] != b[:n])
+      same_prefix += int(diff[0]) if diff.size else n
+      total += max(len(a), len(b))
+      identical += int(len(a) == len(b) and not diff.size)
+    rows.append(dict(attention=name, preemptions=int(stats["tight"]["preemptions"]),
+                     preempted_requests=len(pre), identical_requests=identical,
+                     identical_frac=identical / len(pre) if pre else None,
+                     prefix_agreement=same_prefix / total if total else None))
+  if rows and not any(r["preempted_requests"] for r in rows):
+    raise CheckFailed("the tight pool preempted nothing: the section measured nothing")
+  return dict(model=mcfg.name, dtype=dtype, requests=z["requests"], prompt=z["prompt"],
+              new=z["new"], rows=rows,
+              note="tokens of preempted requests vs a pool that fits everyone; "
+                   "prefix_agreement = tokens before the first difference / tokens")
 
 
 def _bench_shape(run: Run) -> dict:

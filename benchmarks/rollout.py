@@ -44,7 +44,6 @@ Weights are random unless --model-path is given: decode speed does not depend on
 from __future__ import annotations
 
 import argparse
-import collections
 import copy
 import os
 import platform
@@ -91,38 +90,33 @@ def _fill(dense, sparse, prompts, max_new: int):
   """Admit and prefill `prompts` in the sparse engine; give the dense engine the same K/V."""
   from sparrow_jax.engine.engine import Request
   from sparrow_jax.engine.sampling import SamplingParams
-  from sparrow_jax.engine.scheduler import Scheduler
 
   reqs = [Request(p, SamplingParams(temperature=0.0, max_new_tokens=max_new, ignore_eos=True),
                   i) for i, p in enumerate(prompts)]
-  c = sparse.config
-  sched = Scheduler(num_shards=1, num_slots=c.num_slots, num_pages=sparse.pool_pages,
-                    page_size=c.page_size, max_pages_per_seq=c.max_pages_per_seq,
-                    chunk=c.decode_chunk)
-  seqs = sparse._validate(reqs, sched)
-  sched.submit(seqs)
-  admitted = sched.admit()
+  run = sparse._begin(reqs)  # the host state of one generate call
+  admitted = run.sched.admit()
   assert len(admitted) == len(prompts), "the pool must hold every prompt"
   t0 = time.perf_counter()
-  sparse._prefill(sched, admitted, sparse._table(), None, {}, collections.Counter())
+  sparse._prefill(run, admitted)
   jax.block_until_ready(sparse._kv.k[0])
   prefill_s = time.perf_counter() - t0
-  sched_d = copy.deepcopy(sched)
+  run_d = copy.deepcopy(run)
+  for s in run_d.seqs:  # the copy's sequences write into the copy's buffers
+    s.tokens = run_d.out.tokens[s.index]
   dense._kv = dense._kv.replace(k=tuple(jnp.copy(x) for x in sparse._kv.k),
                                 v=tuple(jnp.copy(x) for x in sparse._kv.v),
                                 lengths=jnp.copy(sparse._kv.lengths))
-  return (sched_d, sched), prefill_s
+  return (run_d, run), prefill_s
 
 
-def _chunk_fn(engine, sched):
+def _chunk_fn(engine, run):
   """One decode chunk of the engine's running sequences (pages grown first, as `generate`)."""
-  table = engine._table()
 
-  def run():
-    engine._decode_chunk(sched, sched.grow(), table, None, {}, collections.Counter())
+  def go():
+    engine._decode_chunk(run, run.sched.grow())
     jax.block_until_ready(engine._kv.k[0])
 
-  return run
+  return go
 
 
 def time_pair(dense, sparse, scheds, steps: int, repeats: int) -> dict[str, float]:

@@ -61,6 +61,8 @@ def main(argv=None) -> int:
   ap.add_argument("--k", type=positive(int), default=4, help="samples per prompt")
   ap.add_argument("--temperature", type=at_least(float, 0), default=1.0)
   ap.add_argument("--top-p", type=unit_interval, default=1.0)
+  ap.add_argument("--top-k", type=at_least(int, 0), default=0,
+                  help="0 = off; applied before --top-p")
   ap.add_argument("--max-prompts", type=at_least(int, 0), default=0, help="0 = all")
   ap.add_argument("--json", action="store_true", help="print the result as JSON")
   ap.add_argument("overrides", nargs="*")
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     if not examples:
       raise ValueError(f"--data {cfg.data}: no prompt fits max_prompt_len={cfg.max_prompt_len}")
     res = evaluate(trainer, examples, k=args.k, mode=args.mode, temperature=args.temperature,
-                   top_p=args.top_p)
+                   top_p=args.top_p, top_k=args.top_k)
   except (ValueError, FileNotFoundError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2

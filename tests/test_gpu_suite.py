@@ -43,7 +43,8 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert meta["device"] and meta["backend"] == "cpu"
   sections = record["sections"]
   assert list(sections) == ["a_kernels_vs_reference", "b_copy_bandwidth",
-                            "c_sparse_bandwidth", "d_dense_baseline", "e_engine_decode"]
+                            "c_sparse_bandwidth", "d_dense_baseline", "e_engine_decode",
+                            "f_readmission_agreement"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
 
   checks = sections["a_kernels_vs_reference"]["results"]["checks"]
@@ -78,6 +79,11 @@ def test_smoke_run_writes_every_section(tmp_path):
   for r in engine["rows"]:
     assert all(_positive(r[k]) for k in ("dense_ms", "sparse_ms", "dense_tok_s", "sparse_tok_s"))
     assert r["budget_pages"] == 29  # the published table's first bin
+
+  readmit = sections["f_readmission_agreement"]["results"]
+  assert [r["attention"] for r in readmit["rows"]] == ["dense", "sparse"]
+  for r in readmit["rows"]:  # on CPU a readmission changes no token
+    assert r["preempted_requests"] > 0 and r["identical_frac"] == r["prefix_agreement"] == 1.0
 
 
 def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):

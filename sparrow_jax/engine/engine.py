@@ -3,17 +3,24 @@ preemption, chunked jitted decode, rollouts sharded over devices.
 
 Each device of the rollout mesh (a *shard*) runs `num_slots` sequence slots over its own pool
 of KV pages; requests wait in one queue and go to whichever shard has a free slot and pages
-(`scheduler.py`). One loop iteration
+(`scheduler.py`). One loop iteration, in vLLM's order:
 
-1. admits queued requests into free slots and prefills them (prompt, or prompt + generated
-   tokens for a sequence readmitted after preemption) in one padded batch per shard;
-2. gives every running sequence pages for its next chunk, preempting the most recently
+1. gives every running sequence pages for its next chunk, preempting the most recently
    admitted sequence of a shard that runs out;
+2. admits queued requests into free slots while the shard keeps `admission_watermark` of its
+   pool free, and prefills them: fresh prompts in one padded batch per shard, sequences
+   readmitted after preemption (prompt + generated tokens) in another, so a long readmission
+   does not pad the fresh prompts to its length;
 3. runs up to `decode_chunk` decode steps for all slots in one jitted `lax.while_loop`
    (under `shard_map`: every device decodes its own slots against its own pool). A sequence
    that samples a stop id or reaches its length limit stops writing at once, and the loop
    ends early when every slot has stopped;
-4. reads the tokens back, finishes sequences, frees their slots and pages.
+4. reads the chunk back and writes it into preallocated per-request buffers in one vectorised
+   pass (`outputs.py`); finished sequences free their slots and pages.
+
+When nothing is queued and the pool has pages for two more chunks, the next chunk is
+dispatched *before* step 4 (its inputs are the previous chunk's device outputs), so the host
+work of a chunk overlaps the device work of the next (`overlapped_chunks`).
 
 Cost of a decode step. The cache is one buffer per layer (see `models/kv_cache.py`), written in
 place; attention reads only what it needs: dense layers the sequence's own pages, block-sparse
@@ -21,14 +28,18 @@ layers the landmarks of the sequence's pages plus the selected pages. The page t
 a chunk is cut to the longest running sequence, rounded up by less than a quarter
 (`page_buckets_per_octave` widths per doubling; at least `min_page_bucket` pages), so neither
 the pool size nor `max_seq_len` enters a step's cost.
-One decode program is compiled per page-table width bucket (and attention strategy), one
-prefill per (rows, length) bucket; `num_compilations` counts traces.
+One decode program is compiled per page-table width bucket (and attention strategy, and the
+largest top_k of the call's requests), one prefill per (rows, length) bucket;
+`num_compilations` counts traces.
 
 Pool size. `EngineConfig` takes the pool as pages (`num_pages`), as bytes (`kv_cache_bytes`:
 K, V and landmarks, per device) or as a fraction of the device's free memory
 (`kv_cache_memory_fraction`, measured when the engine is built, i.e. after the parameters and
 optimizer state are allocated; GPUs report it, CPUs do not). `max_seq_len` bounds one sequence,
 not the pool. Without any of them the pool holds every slot at `max_seq_len` (no preemption).
+`release_kv_pool()` frees the pool's device buffers between rollouts (vLLM's sleep mode,
+SGLang's `release_memory_occupation`) and the next `generate` rebuilds it; `kv_pool_bytes`
+says what it holds now.
 
 Attention is a strategy (`Dense()` or `BlockSparse(...)`); for block-sparse decoding a
 `SparsitySchedule` (or a constant int budget) gives each slot's page budget per step through
@@ -36,9 +47,10 @@ Attention is a strategy (`Dense()` or `BlockSparse(...)`); for block-sparse deco
 same bins, never recompiles.
 
 Stats of the last `generate` call are in `last_stats` (cumulative ones in `stats`): generated
-tokens, decode chunks and steps, prefills, preemptions, recomputed tokens, pool high-water
-mark, wasted decode steps (slot-steps of sequences that had already finished in their chunk),
-idle slot steps, wall time.
+tokens, decode chunks and steps, prefills, preemptions, recomputed tokens, wasted prefill
+tokens (prefilled, then preempted before one decode step), prefill padding fraction, pool
+high-water mark, wasted decode steps (slot-steps of sequences that had already finished in
+their chunk), idle slot steps, overlapped chunks, time blocked on the device, wall time.
 """
 
 from __future__ import annotations
@@ -54,122 +66,23 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from sparrow_jax.engine.sampling import SamplingParams, sample_tokens, topk_logprobs
+from sparrow_jax.engine.config import Completion, EngineConfig, Request, resolve_pool_pages
+from sparrow_jax.engine.outputs import OutputBuffers, RequestTable
+from sparrow_jax.engine.pruning import (DetectionTable, GroupTracker, PruneCandidate,
+                                        PruneHook)
 from sparrow_jax.engine.scheduler import Scheduler, SeqState
+from sparrow_jax.engine.steps import AXIS, DeviceSteps
 from sparrow_jax.models import attention as attn_lib
-from sparrow_jax.models.decoder import Decoder, rope_tables
-from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page, pages_for
-from sparrow_jax.models.quality_head import init_quality_head, quality_logits
-from sparrow_jax.engine.pruning import Detection, GroupTracker, PruneCandidate, PruneHook
-from sparrow_jax.schedule.schedule import (SparsitySchedule, as_schedule, budget_pages,
-                                           max_budget, teacher_forced_budgets)
+from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page
+from sparrow_jax.models.quality_head import init_quality_head
+from sparrow_jax.schedule.schedule import SparsitySchedule, as_schedule, max_budget
 
-AXIS = "rollout"  # the one mesh axis of the engine: every device is a shard
+__all__ = ["AXIS", "Completion", "EngineConfig", "GenerationEngine", "Request",
+           "resolve_pool_pages"]
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-  """Static shape of the engine. Slot and pool sizes are per device (shard)."""
-
-  num_slots: int = 8  # concurrent sequences per device
-  max_seq_len: int = 2048  # prompt + generated tokens of one sequence
-  page_size: int = 16
-  num_pages: int | None = None  # pool pages per device incl. the null page
-  kv_cache_bytes: int | None = None  # pool bytes per device (K, V, landmarks)
-  kv_cache_memory_fraction: float | None = None  # of the device's free memory (GPU)
-  decode_chunk: int = 16  # decode steps per jitted call
-  cache_dtype: str | None = None  # default: the model's compute dtype
-  logprobs_topk: int = 0  # keep the top-k log-probs of every generated token (monitor)
-  min_page_bucket: int = 8  # smallest compiled page-table width (pages)
-  page_buckets_per_octave: int = 4  # compiled widths per doubling (1: powers of two)
-
-  def __post_init__(self):
-    for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk", "min_page_bucket",
-              "page_buckets_per_octave"):
-      v = getattr(self, f)
-      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-        raise ValueError(f"EngineConfig.{f}={v!r}: expected an int >= 1")
-    if self.page_size & (self.page_size - 1):
-      raise ValueError(f"EngineConfig.page_size={self.page_size}: expected a power of two")
-    given = [f for f in ("num_pages", "kv_cache_bytes", "kv_cache_memory_fraction")
-             if getattr(self, f) is not None]
-    if len(given) > 1:
-      raise ValueError(f"EngineConfig: {' and '.join(given)} both size the KV pool; give one")
-    if self.num_pages is not None and self.num_pages < 2:
-      raise ValueError(f"EngineConfig.num_pages={self.num_pages}: expected >= 2 (page 0 is "
-                       "the null page)")
-    if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-      raise ValueError(f"EngineConfig.kv_cache_bytes={self.kv_cache_bytes}: expected > 0")
-    f = self.kv_cache_memory_fraction
-    if f is not None and not 0 < f <= 1:
-      raise ValueError(f"EngineConfig.kv_cache_memory_fraction={f}: expected in (0, 1]")
-    if self.logprobs_topk < 0:
-      raise ValueError(f"EngineConfig.logprobs_topk={self.logprobs_topk}: expected >= 0")
-
-  @property
-  def max_pages_per_seq(self) -> int:
-    return pages_for(self.max_seq_len, self.page_size)
-
-  @property
-  def worst_case_pages(self) -> int:
-    """Pool pages for every slot at `max_seq_len` (+ the null page)."""
-    return self.num_slots * self.max_pages_per_seq + 1
-
-
-def resolve_pool_pages(config: EngineConfig, bytes_per_page: int, device=None) -> int:
-  """Pages of one device's pool (null page included) for `config`."""
-  if config.num_pages is not None:
-    return config.num_pages
-  if config.kv_cache_bytes is not None:
-    budget = config.kv_cache_bytes
-    what = f"kv_cache_bytes={config.kv_cache_bytes}"
-  elif config.kv_cache_memory_fraction is not None:
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
-      raise ValueError(
-          f"EngineConfig.kv_cache_memory_fraction={config.kv_cache_memory_fraction}: device "
-          f"{device} does not report its memory; give kv_cache_bytes or num_pages instead")
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-    budget = int(config.kv_cache_memory_fraction * free)
-    what = (f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} of "
-            f"{free / 1e9:.2f} GB free")
-  else:
-    return config.worst_case_pages
-  pages = budget // bytes_per_page
-  if pages < 2:
-    raise ValueError(f"EngineConfig {what}: {budget} bytes hold {pages} page(s) of "
-                     f"{bytes_per_page} bytes; need at least 2 (the null page and one more)")
-  return int(pages)
-
-
-@dataclasses.dataclass
-class Request:
-  prompt_ids: Sequence[int]
-  sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-  request_id: Any = None
-  group: Any = None  # prompt group (GRPO): pruning decides per group
-
-
-@dataclasses.dataclass
-class Completion:
-  """One finished sequence. `finish_reason` is 'stop' (EOS/stop id, included in
-  `token_ids`), 'length' (max_new_tokens), 'context' (max_seq_len reached) or 'pruned'
-  (removed by the prune hook while running; `pruned` is also set for a sequence that finished
-  after L_detect but before its group was decided)."""
-
-  request_id: Any
-  prompt_ids: np.ndarray  # [P] int32
-  token_ids: np.ndarray  # [n] int32
-  logprobs: np.ndarray  # [n] float32, under the sampling distribution
-  finish_reason: str
-  topk_ids: np.ndarray | None = None  # [n, k] int32
-  topk_logprobs: np.ndarray | None = None  # [n, k] float32
-  preemptions: int = 0  # times the sequence was preempted and recomputed
-  pruned: bool = False  # removed by the prune hook (tokens are those generated until then)
-  quality_logit: float | None = None  # head logit at the detection point (prune hook)
-  detect_hidden: np.ndarray | None = None  # [D] final-normed hidden state there
-  detect_index: int = -1  # generated-token index of that point (-1: none)
+_COUNTS = ("prefills", "prefill_tokens", "decode_chunks", "decode_steps", "idle_slot_steps",
+           "wasted_decode_steps", "overlapped_chunks", "device_wait_s")
 
 
 def _next_pow2(n: int) -> int:
@@ -184,7 +97,40 @@ def _report_finished(done: dict, reported: set[int], on_finish) -> set[int]:
   return reported
 
 
-class GenerationEngine:
+@dataclasses.dataclass(eq=False)
+class _Run:
+  """Host state of one `generate` call."""
+
+  sched: Scheduler
+  seqs: list[SeqState]
+  table: RequestTable  # per-request sampling inputs
+  out: OutputBuffers  # per-request outputs
+  budgets: jax.Array  # the schedule's budget table (traced)
+  lora: Any  # placed once in the rollout layout
+  prune: PruneHook | None = None
+  tracker: GroupTracker | None = None
+  det: DetectionTable | None = None
+  det_consts: tuple = ()  # (head, detection stop ids) on the rollout devices
+  done: dict = dataclasses.field(default_factory=dict)  # request index -> Completion
+  counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@dataclasses.dataclass(eq=False)
+class _Chunk:
+  """A dispatched decode chunk: its row layout and its (device) outputs."""
+
+  rows: list  # [D*B] SeqState | None, as dispatched
+  row_seq: np.ndarray  # [D*B] request index of each row (-1: empty)
+  outs: tuple  # tokens, log-probs [C, D*B], top-k ids, log-probs [C, D*B, k]
+  steps: jax.Array  # [D] steps run per shard
+  rec: tuple  # detection record (pruning) or ()
+  carry: tuple  # last token, still active, remaining, tokens generated [D*B]
+  params: tuple  # the rows' stop ids, seed words, temperature, top_p, top_k (device)
+  det: tuple  # the rows' detection inputs (pruning) or ()
+  occupied: np.ndarray  # [D] running rows per shard
+
+
+class GenerationEngine(DeviceSteps):
   """Batched generation with a paged KV cache, continuous batching and preemption."""
 
   def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
@@ -217,7 +163,8 @@ class GenerationEngine:
         landmark_dtype=self._landmark_dtype)
     self.pool_pages = resolve_pool_pages(cfg, self.bytes_per_page, devices[0])
     self._landmark = landmark
-    self._kv = self._create_pool()
+    self._make_pool = None
+    self._kv: PagedKVCache | None = self._create_pool()
     self._zero_head = None  # the quality head of random pruning (its logits are unused)
     self.num_compilations = 0
     self.stats: collections.Counter = collections.Counter()
@@ -236,6 +183,13 @@ class GenerationEngine:
                       and x.dtype.itemsize > dt.itemsize else x)
     return jax.device_put(jax.tree.map(cast, state), NamedSharding(self.mesh, P()))
 
+  def _replicate(self, tree):
+    """A pytree (LoRA, quality head) replicated on the rollout devices: placed once per
+    `generate`, so no chunk call reshards it from the training layout."""
+    if tree is None:
+      return None
+    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+
   def _create_pool(self) -> PagedKVCache:
     mc, cfg, d = self.model_config, self.config, self.num_shards
 
@@ -246,7 +200,34 @@ class GenerationEngine:
           page_size=cfg.page_size, dtype=self.cache_dtype, landmark=self._landmark,
           landmark_dtype=self._landmark_dtype)
 
-    return jax.jit(make, out_shardings=self._cache_shardings())()
+    if self._make_pool is None:  # one compiled constructor, reused by every rebuild
+      self._make_pool = jax.jit(make, out_shardings=self._cache_shardings())
+    return self._make_pool()
+
+  def release_kv_pool(self) -> None:
+    """Free the KV pool's device buffers now (K, V, landmarks, page table, lengths), e.g.
+    while the trainer runs; the next `generate` rebuilds a pool of the same size. Nothing
+    is lost: a `generate` call never leaves state in the pool for the next one."""
+    if self._kv is None:
+      return
+    for x in jax.tree.leaves(self._kv):
+      x.delete()
+    self._kv = None
+
+  @property
+  def kv_pool_bytes(self) -> int:
+    """Bytes the KV pool holds now on each device (K, V and landmarks: `pool_pages *
+    bytes_per_page`); 0 after `release_kv_pool()`."""
+    if self._kv is None:
+      return 0
+    kv = self._kv
+    arrays = kv.k + kv.v + tuple(x for lm in kv.landmarks for x in lm)
+    return sum(x.nbytes for x in arrays) // self.num_shards
+
+  def _pool(self) -> PagedKVCache:
+    if self._kv is None:
+      self._kv = self._create_pool()
+    return self._kv
 
   def _cache_specs(self) -> PagedKVCache:
     """PartitionSpecs of the cache: pages and slots split over the rollout devices."""
@@ -264,126 +245,6 @@ class GenerationEngine:
   def _shard(self, fn, in_specs, out_specs):
     return jax.shard_map(fn, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
                          check_vma=False)
-
-  # --- jitted bodies (per-device code, run under shard_map) -------------------------------
-  def _prefill_local(self, attention, state, cache, tokens, lengths, slots, page_rows, seeds,
-                     temps, top_ps, top_ks, table, prompt_lengths, lora):
-    model = nnx.merge(self.graphdef, state)
-    budgets = None
-    if isinstance(attention, attn_lib.BlockSparse):
-      n, t = tokens.shape
-      budgets = teacher_forced_budgets(self.schedule, t, n, table)
-    cache, logits = model.prefill(cache, tokens, lengths, slots, page_rows,
-                                  attention=attention, budgets=budgets,
-                                  prompt_lengths=prompt_lengths, lora=lora)
-    tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks)
-    tk = self._topk(logits)
-    return cache, tok, lp, tk
-
-  def _topk(self, logits):
-    k = self.config.logprobs_topk
-    if k:
-      return topk_logprobs(logits, k)
-    b = logits.shape[0]
-    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
-
-  def _decode_local(self, state, cache, tokens, active, remaining, stop_ids, seeds, temps,
-                    top_ps, top_ks, table, lora, det=None):
-    """Up to `decode_chunk` steps. `det` (pruning) = (head_params, det_stop_ids [S],
-    prompt_len [B], det_end [B]): records the hidden state and head logit at the last stop
-    token in the detection window [prompt_len, det_end] and at the latest token in it."""
-    model = nnx.merge(self.graphdef, state)
-    c, b, k = self.config.decode_chunk, tokens.shape[0], self.config.logprobs_topk
-    outs = (jnp.zeros((c, b), jnp.int32), jnp.zeros((c, b), jnp.float32),
-            jnp.zeros((c, b, k), jnp.int32), jnp.zeros((c, b, k), jnp.float32))
-    d = self.model_config.hidden_size
-    rec0 = ((jnp.zeros((b,), jnp.float32), jnp.zeros((b, d), jnp.float32),
-             jnp.full((b,), -1, jnp.int32)) * 2 if det is not None else ())
-
-    def record(rec, tok, pos, active, hidden):
-      head, det_stop, prompt_len, det_end = det
-      logit = quality_logits(head, hidden)  # [B]
-      window = active & (pos >= prompt_len) & (pos <= det_end)  # [B]
-      # The window's last token is the detection point only when no stop token came before
-      # it: that fallback is the "latest" record (`pruning.Detection.best`).
-      at_stop = window & jnp.any(tok[:, None] == det_stop, axis=-1)
-      idx = pos - prompt_len  # generated-token index of the input token
-      new = []
-      for j, upd in enumerate((at_stop, window)):
-        lg, hs, ix = rec[3 * j:3 * j + 3]
-        new += [jnp.where(upd, logit, lg), jnp.where(upd[:, None], hidden, hs),
-                jnp.where(upd, idx, ix)]
-      return tuple(new)
-
-    # RoPE tables of the whole chunk, computed once outside the loop: an active slot's step j
-    # writes at position lengths + j (an inactive slot's outputs are discarded anyway).
-    pos = cache.lengths[None, :] + jnp.arange(c, dtype=jnp.int32)[:, None]  # [C, B]
-    mc = self.model_config
-    cos_t, sin_t = rope_tables(pos, mc.head_dim, mc.rope_theta)  # [C, B, Dh] x2
-
-    def cond(carry):
-      step, _, _, active, _, _, _ = carry
-      return (step < c) & jnp.any(active)
-
-    def body(carry):
-      step, cache, tok, active, remaining, outs, rec = carry
-      budgets = None
-      if self.schedule is not None:
-        budgets = budget_pages(self.schedule, cache.lengths + 1, table)
-      pos = cache.lengths  # position of the input token
-      rope = (jax.lax.dynamic_index_in_dim(cos_t, step, 0, keepdims=False),
-              jax.lax.dynamic_index_in_dim(sin_t, step, 0, keepdims=False))
-      cache, logits, hidden = model.decode(cache, tok, active, attention=self.attention,
-                                           budgets=budgets, lora=lora, return_hidden=True,
-                                           rope=rope)
-      if det is not None:
-        rec = record(rec, tok, pos, active, hidden.astype(jnp.float32))
-      new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks)
-      tk_ids, tk_lp = self._topk(logits)
-      row = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, step, 0)
-      outs = tuple(row(o, x) for o, x in zip(outs, (new_tok, lp, tk_ids, tk_lp)))
-      # Device-side finish: a stop id or the last allowed token ends the sequence now.
-      remaining = remaining - active.astype(jnp.int32)
-      done = jnp.any(new_tok[:, None] == stop_ids, axis=-1) | (remaining <= 0)
-      new_tok = jnp.where(active, new_tok, tok)
-      return step + 1, cache, new_tok, active & ~done, remaining, outs, rec
-
-    init = (jnp.int32(0), cache, tokens, active, remaining, outs, rec0)
-    steps, cache, _, _, _, outs, rec = jax.lax.while_loop(cond, body, init)
-    return cache, outs, steps[None], rec
-
-  def _get_prefill(self, attention):
-    key = attention
-    if key not in self._prefill_fn:
-      def fn(state, cache, *args):
-        self.num_compilations += 1  # runs at trace time only
-        local = lambda st, ca, *a: self._prefill_local(attention, st, ca, *a)
-        rows = P(AXIS)
-        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
-                    P(), rows, P())
-        out_specs = (self._cache_specs(), rows, rows, (rows, rows))
-        return self._shard(local, in_specs, out_specs)(state, cache, *args)
-      self._prefill_fn[key] = jax.jit(fn, donate_argnums=(1,))
-    return self._prefill_fn[key]
-
-  def _get_decode(self, with_det: bool = False):
-    key = (self.attention, None if self.schedule is None
-           else (self.schedule.bin_size, self.schedule.num_bins), with_det)
-    if key not in self._decode_fn:
-      def fn(state, cache, *args):
-        self.num_compilations += 1
-        rows = P(AXIS)
-        cols = P(None, AXIS)
-        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
-                    P(), P())
-        rec_specs = ()
-        if with_det:
-          in_specs += ((P(), P(), rows, rows),)
-          rec_specs = (rows,) * 6
-        out_specs = (self._cache_specs(), (cols, cols, cols, cols), rows, rec_specs)
-        return self._shard(self._decode_local, in_specs, out_specs)(state, cache, *args)
-      self._decode_fn[key] = jax.jit(fn, donate_argnums=(1,))
-    return self._decode_fn[key]
 
   # --- host side ------------------------------------------------------------------------
   def set_attention(self, attention: attn_lib.AttentionSpec, schedule=None) -> None:
@@ -458,57 +319,6 @@ class GenerationEngine:
       seqs.append(seq)
     return seqs
 
-  def _row_params(self, rows: Sequence[SeqState | None]):
-    n = len(rows)
-    seeds = np.zeros((n,), np.int32)
-    temps = np.zeros((n,), np.float32)
-    top_ps = np.ones((n,), np.float32)
-    top_ks = np.zeros((n,), np.int32)
-    for i, s in enumerate(rows):
-      if s is None:
-        continue
-      sp = s.req.sampling
-      seeds[i] = sp.seed & 0x7FFFFFFF
-      temps[i], top_ps[i], top_ks[i] = sp.temperature, sp.top_p, sp.top_k
-    return seeds, temps, top_ps, top_ks
-
-  def _table(self):
-    if self.schedule is None:
-      return jnp.zeros((1,), jnp.int32)
-    return jnp.asarray(self.schedule.budgets, jnp.int32)
-
-  def _record(self, seq: SeqState, tok: int, lp: float, tk_ids, tk_lps) -> str | None:
-    """Append a sampled token; return a finish reason or None."""
-    seq.tokens.append(int(tok))
-    seq.logprobs.append(float(lp))
-    if self.config.logprobs_topk:
-      seq.topk_ids.append(np.asarray(tk_ids))
-      seq.topk_lps.append(np.asarray(tk_lps))
-    if int(tok) in seq.stop_ids:
-      return "stop"
-    if len(seq.tokens) >= seq.req.sampling.max_new_tokens:
-      return "length"
-    if seq.prompt_len + len(seq.tokens) >= self.config.max_seq_len:
-      return "context"
-    return None
-
-  def _complete(self, seq: SeqState, reason: str) -> Completion:
-    k = self.config.logprobs_topk
-    out = Completion(
-        request_id=seq.req.request_id,
-        prompt_ids=np.asarray(seq.req.prompt_ids, np.int32),
-        token_ids=np.asarray(seq.tokens, np.int32),
-        logprobs=np.asarray(seq.logprobs, np.float32), finish_reason=reason,
-        topk_ids=(np.stack(seq.topk_ids).astype(np.int32) if k and seq.topk_ids
-                  else np.zeros((len(seq.tokens), k), np.int32) if k else None),
-        topk_logprobs=(np.stack(seq.topk_lps).astype(np.float32) if k and seq.topk_lps
-                       else np.zeros((len(seq.tokens), k), np.float32) if k else None),
-        preemptions=seq.preemptions, pruned=reason == "pruned")
-    det = seq.extra.get("det")
-    if det is not None:
-      out.quality_logit, out.detect_hidden, out.detect_index = det.best()
-    return out
-
   def _page_bucket(self, pages: int) -> int:
     """Compiled page-table width for a chunk whose longest sequence holds `pages` pages:
     rounded up to a multiple of 1/`page_buckets_per_octave` of the largest power of two below
@@ -520,84 +330,321 @@ class GenerationEngine:
     width = -(-pages // step) * step
     return min(max(width, cfg.min_page_bucket), cfg.max_pages_per_seq)
 
+  def _table(self):
+    if self.schedule is None:
+      return jnp.zeros((1,), jnp.int32)
+    return jnp.asarray(self.schedule.budgets, jnp.int32)
+
+  # --- the loop ---------------------------------------------------------------------------
   def generate(self, requests: Sequence[Request], *, lora=None, prune: PruneHook | None = None,
                progress: Callable[[int, int], None] | None = None,
                on_finish: Callable[[int, Completion], None] | None = None
                ) -> list[Completion]:
     """Generate a completion for every request (returned in request order).
 
+    `lora`: the sparse actor's adapter (placed on the rollout devices once per call).
     `prune`: an online pruning hook (ARRoL, `pruning.py`); requests with the same `group`
     are decided together once all of them reached `prune.detect_len` or finished.
     `on_finish(i, completion)`: called once per request (index i) soon after it finished,
     at the latest when `generate` returns (callers that save work as it completes).
     """
-    cfg = self.config
-    requests = list(requests)
-    sched = Scheduler(num_shards=self.num_shards, num_slots=cfg.num_slots,
-                      num_pages=self.pool_pages, page_size=cfg.page_size,
-                      max_pages_per_seq=cfg.max_pages_per_seq, chunk=cfg.decode_chunk)
-    seqs = self._validate(requests, sched)  # every request checked before any work
-    sched.submit(seqs)
-    self.last_scheduler = sched  # inspection (tests, benchmarks): pools, slots, stats
-    done: dict[int, Completion] = {}
-    tracker = None
-    if prune is not None:
-      if prune.detect_len < 1:
-        raise ValueError(f"prune hook detect_len={prune.detect_len}: expected >= 1")
-      tracker = GroupTracker(seqs, prune.detect_len)
-      for sq in seqs:
-        sq.extra["det"] = Detection()
-    table = self._table()
-    counts = collections.Counter()
+    run = self._begin(requests, lora, prune)  # every request checked before any work
+    sched, chunk = run.sched, self.config.decode_chunk
     compiles0 = self.num_compilations
     reported: set[int] = set()  # requests handed to `on_finish`
     t0 = time.perf_counter()
-    while sched.has_work():
-      admitted = sched.admit()
-      if admitted:
-        self._prefill(sched, admitted, table, lora, done, counts)
-        if tracker is not None:  # a group's last member may have ended in its prefill
-          self._prune(sched, tracker, prune, done, counts)
-      running = sched.grow()
-      if not running:
-        if sched.queue and not admitted:
-          raise AssertionError("scheduler made no progress with an empty engine")
-        continue
-      self._decode_chunk(sched, running, table, lora, done, counts, prune)
-      if tracker is not None:
-        self._prune(sched, tracker, prune, done, counts)
+    pending: _Chunk | None = None  # dispatched, not read back yet
+    while pending is not None or sched.has_work():
+      if pending is None:
+        running = self._schedule(run)
+        if not running:
+          continue
+        pending = self._dispatch(run, running)
+      nxt = None
+      # Overlap: with nothing queued, freed slots and pages have no taker, so the next chunk
+      # can start from this one's device outputs if some sequence may outlive this chunk and
+      # the pool holds two chunks more of every sequence (never preempting for it).
+      if (self.config.overlap_chunks and not sched.queue
+          and any(s.remaining > chunk for s in pending.rows if s is not None)
+          and sched.reserve(2 * chunk)):
+        running = sched.running()
+        if running:
+          nxt = self._dispatch(run, running, prev=pending)
+          run.counts["overlapped_chunks"] += 1
+      self._absorb(run, pending)
+      if run.tracker is not None:
+        self._prune(run)
       if progress is not None:
-        progress(len(done), len(requests))
+        progress(len(run.done), len(run.seqs))
       if on_finish is not None:
-        reported = _report_finished(done, reported, on_finish)
+        reported = _report_finished(run.done, reported, on_finish)
+      pending = nxt
     if on_finish is not None:
-      _report_finished(done, reported, on_finish)
+      _report_finished(run.done, reported, on_finish)
     wall = time.perf_counter() - t0
-    gen = sum(len(c.token_ids) for c in done.values())
+    counts = run.counts
+    gen = sum(len(c.token_ids) for c in run.done.values())
+    pad = counts.pop("prefill_padded_tokens", 0)
+    processed = counts.pop("prefill_slot_tokens", 0)
     self.last_stats = dict(counts, **sched.stats.as_dict(), generated_tokens=gen,
-                           finished=len(done), wall_s=wall,
+                           finished=len(run.done), wall_s=wall,
+                           prefill_padding_frac=pad / processed if processed else 0.0,
                            compilations=self.num_compilations - compiles0)
     for key, val in self.last_stats.items():
-      if key not in ("pool_high_water_frac", "pool_capacity_pages", "pool_high_water_pages"):
+      if key not in ("pool_high_water_frac", "pool_capacity_pages", "pool_high_water_pages",
+                     "prefill_padding_frac"):
         self.stats[key] += val
     self.stats["pool_high_water_pages"] = max(self.stats["pool_high_water_pages"],
                                               sched.stats.pool_high_water)
-    return [done[i] for i in range(len(requests))]
+    return [run.done[i] for i in range(len(run.seqs))]
 
-  def _finish(self, sched: Scheduler, seq: SeqState, reason: str, done: dict) -> None:
-    done[seq.index] = self._complete(seq, reason)
-    sched.release(seq)
+  def _begin(self, requests, lora=None, prune: PruneHook | None = None) -> _Run:
+    """Validate the requests and set up the host state of one generate call."""
+    cfg = self.config
+    sched = Scheduler(num_shards=self.num_shards, num_slots=cfg.num_slots,
+                      num_pages=self.pool_pages, page_size=cfg.page_size,
+                      max_pages_per_seq=cfg.max_pages_per_seq, chunk=cfg.decode_chunk,
+                      watermark_pages=int(cfg.admission_watermark * (self.pool_pages - 1)))
+    seqs = self._validate(list(requests), sched)
+    if prune is not None and prune.detect_len < 1:
+      raise ValueError(f"prune hook detect_len={prune.detect_len}: expected >= 1")
+    out = OutputBuffers(np.asarray([s.max_len - s.prompt_len for s in seqs], np.int64),
+                        cfg.logprobs_topk)
+    for s in seqs:
+      s.tokens = out.tokens[s.index]  # the sequence's row of the token buffer (a view)
+    run = _Run(sched=sched, seqs=seqs, table=RequestTable(seqs, self.model_config.vocab_size),
+               out=out, budgets=self._table(), lora=self._replicate(lora), prune=prune)
+    run.counts.update(dict.fromkeys(_COUNTS, 0))  # every stat present, even when zero
+    if prune is not None:
+      run.counts.update(dict.fromkeys(("pruned", "pruned_running", "prune_candidates"), 0))
+      run.tracker = GroupTracker(seqs, prune.detect_len)
+      run.det = DetectionTable(len(seqs), self.model_config.hidden_size)
+      head = prune.head_params
+      if head is None:  # no score wanted (random pruning): a zero head, logits are ignored
+        if self._zero_head is None:
+          shapes = jax.eval_shape(
+              lambda: init_quality_head(jax.random.PRNGKey(0), self.model_config.hidden_size))
+          self._zero_head = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        head = self._zero_head
+      run.det_consts = (self._replicate(head),
+                        jnp.asarray(sorted(prune.stop_ids) or [-1], jnp.int32))
+    self._pool()  # rebuilt here after release_kv_pool()
+    sched.submit(seqs)
+    self.last_scheduler = sched  # inspection (tests, benchmarks): pools, slots, stats
+    return run
 
-  def _prune(self, sched: Scheduler, tracker: GroupTracker, hook: PruneHook, done: dict,
-             counts) -> None:
+  def _schedule(self, run: _Run) -> list[SeqState]:
+    """Running sequences first (pages for their next chunk, preempting the newest when a
+    shard runs out), then admissions above the watermark, prefilled readmissions apart from
+    fresh prompts. Returns the sequences the next chunk decodes."""
+    sched = run.sched
+    sched.grow()
+    admitted = sched.admit()
+    if admitted:
+      # A readmission's long context would pad every fresh prompt of its batch to its length
+      # (and send them through the teacher-forced sparse path): it gets its own batch.
+      for group in ([s for s in admitted if s.preemptions],
+                    [s for s in admitted if not s.preemptions]):
+        if group:
+          self._prefill(run, group)
+      if run.tracker is not None:  # a group's last member may have ended in its prefill
+        self._prune(run)
+    running = sched.running()
+    if not running and sched.queue and not admitted:
+      raise AssertionError("scheduler made no progress with an empty engine")
+    return running
+
+  def _device_get(self, run: _Run, tree):
+    """The one blocking read of a prefill or chunk (its wait is counted)."""
+    t0 = time.perf_counter()
+    out = jax.device_get(tree)
+    run.counts["device_wait_s"] += time.perf_counter() - t0
+    return out
+
+  def _prefill(self, run: _Run, admitted: list[SeqState]) -> None:
+    cfg, d = self.config, self.num_shards
+    by_shard = [[s for s in admitted if s.shard == k] for k in range(d)]
+    n = _next_pow2(max(len(b) for b in by_shard))
+    longest = max(s.context_len for s in admitted)
+    t = min(max(cfg.page_size, _next_pow2(longest)), cfg.max_pages_per_seq * cfg.page_size)
+    width = t // cfg.page_size
+    tokens = np.zeros((d * n, t), np.int32)
+    lengths = np.ones((d * n,), np.int32)
+    prompt_lengths = np.ones((d * n,), np.int32)
+    slot_ids = np.full((d * n,), cfg.num_slots, np.int32)  # out of range: dropped
+    page_rows = np.zeros((d * n, width), np.int32)
+    row_seq = np.full((d * n,), -1, np.int64)
+    order: list[SeqState | None] = [None] * (d * n)
+    for k, group in enumerate(by_shard):
+      for j, s in enumerate(group):
+        r = k * n + j
+        ctx = s.context
+        tokens[r, :len(ctx)] = ctx
+        lengths[r] = len(ctx)
+        prompt_lengths[r] = s.prompt_len
+        slot_ids[r] = s.slot
+        page_rows[r, :min(len(s.pages), width)] = s.pages[:width]
+        order[r], row_seq[r] = s, s.index
+    # A readmitted sequence recomputes its generated tokens as decode attended to them.
+    readmit = any(s.preemptions for s in admitted)
+    attention = (self.attention if readmit and isinstance(self.attention, attn_lib.BlockSparse)
+                 else attn_lib.Dense())
+    stop_ids, *params = run.table.rows(row_seq)
+    det = ()
+    if run.prune is not None:
+      det = (self._det_rows(run, row_seq),)
+    fn = self._get_prefill(attention, run.table.max_top_k, run.prune is not None)
+    cache = self._pool().replace(page_table=self._zero_table())
+    cache, tok, lp, (tk_ids, tk_lps), rec = fn(
+        self.state, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(slot_ids),
+        jnp.asarray(page_rows), *(jnp.asarray(x) for x in params), run.budgets,
+        jnp.asarray(prompt_lengths), run.lora, *det)
+    self._kv = cache
+    tok, lp, tk_ids, tk_lps, rec = self._device_get(run, (tok, lp, tk_ids, tk_lps, rec))
+    counts = run.counts
+    counts["prefills"] += 1
+    real = int(sum(s.context_len for s in admitted))
+    counts["prefill_tokens"] += real
+    counts["prefill_slot_tokens"] += d * n * t
+    counts["prefill_padded_tokens"] += d * n * t - real
+    live = np.flatnonzero(row_seq >= 0)
+    seq_ids = row_seq[live]
+    start = np.asarray([order[r].num_tokens for r in live], np.int64)
+    run.out.append_one(seq_ids, start, tok[live], lp[live], tk_ids[live], tk_lps[live])
+    if rec:
+      run.det.update(seq_ids, [x[live] for x in rec])
+    for r in live:
+      s = order[r]
+      s.length = s.context_len
+      s.num_tokens += 1
+      reason = self._reason(s, decoded=False)
+      if reason is not None:
+        self._finish(run, s, reason)
+
+  def _reason(self, s: SeqState, decoded: bool = True) -> str | None:
+    """Finish reason of a sequence whose last token was just sampled (None: it goes on).
+    After a decode chunk (`decoded`) the device has already decided that it ends."""
+    if s.pending in s.stop_ids:
+      return "stop"
+    if s.num_tokens >= s.req.sampling.max_new_tokens:
+      return "length"
+    if s.context_len >= self.config.max_seq_len:
+      return "context"
+    if decoded:
+      raise AssertionError(f"request {s.req.request_id!r} ended on device without a reason")
+    return None
+
+  def _det_rows(self, run: _Run, row_seq: np.ndarray):
+    """(head, detection stop ids, prompt length, last window position) of rows `row_seq`."""
+    valid = row_seq >= 0
+    plen = np.where(valid, run.table.prompt_len[np.where(valid, row_seq, 0)], 0)
+    det_end = np.where(valid, plen + run.prune.detect_len - 1, -1)
+    return (*run.det_consts, self._rows(plen.astype(np.int32)),
+            self._rows(det_end.astype(np.int32)))
+
+  def _rows(self, x):
+    """A per-row host array placed as the decode step's outputs are (split over the rollout
+    devices), so a chunk fed from the host and one fed from the previous chunk's outputs
+    hit the same compiled program."""
+    return jax.device_put(x, NamedSharding(self.mesh, P(AXIS)))
+
+  def _zero_table(self):
+    return jnp.zeros((self.num_shards * self.config.num_slots, 1), jnp.int32)
+
+  def _dispatch(self, run: _Run, running: list[SeqState], prev: _Chunk | None = None
+                ) -> _Chunk:
+    """Start a decode chunk of `running` (asynchronously). Without `prev` its inputs come
+    from the host; with `prev` (a chunk not read back yet, same slots) from `prev`'s device
+    outputs, masked to the rows the host still runs."""
+    d, b = self.num_shards, self.config.num_slots
+    width = self._page_bucket(max(len(s.pages) for s in running))
+    rows: list[SeqState | None] = [None] * (d * b)
+    row_seq = np.full((d * b,), -1, np.int64)
+    for s in running:
+      r = s.shard * b + s.slot
+      rows[r], row_seq[r] = s, s.index
+    alive = row_seq >= 0
+    if prev is None:
+      stop_ids, seeds, temps, top_ps, top_ks = run.table.rows(row_seq)
+      params = tuple(self._rows(x) for x in (stop_ids, seeds, temps, top_ps, top_ks))
+      det = (self._det_rows(run, row_seq),) if run.prune is not None else ()
+      tokens = np.zeros((d * b,), np.int32)
+      remaining = np.zeros((d * b,), np.int32)
+      for r in np.flatnonzero(alive):
+        tokens[r], remaining[r] = rows[r].pending, rows[r].remaining
+      tokens, active, remaining = (self._rows(x) for x in (tokens, alive, remaining))
+    else:
+      params, det = prev.params, prev.det
+      tokens, active, remaining, _ = prev.carry
+      active = jnp.logical_and(active, self._rows(alive))
+    cache = self._pool().replace(page_table=jnp.asarray(run.sched.page_table(width)))
+    fn = self._get_decode(run.prune is not None, run.table.max_top_k)
+    self._kv, outs, steps, rec, carry = fn(self.state, cache, tokens, active, remaining,
+                                           *params, run.budgets, run.lora, *det)
+    return _Chunk(rows=rows, row_seq=row_seq, outs=outs, steps=steps, rec=rec, carry=carry,
+                  params=params, det=det, occupied=alive.reshape(d, b).sum(axis=1))
+
+  def _absorb(self, run: _Run, chunk: _Chunk) -> None:
+    """Read a chunk back and book it in one vectorised pass: tokens, log-probs and top-k into
+    the output buffers, detection records, finished sequences out."""
+    outs, steps, rec, (_, still, _, count) = self._device_get(
+        run, (chunk.outs, chunk.steps, chunk.rec, chunk.carry))
+    toks, lps, tk_ids, tk_lps = outs  # [C, D*B], [C, D*B, k]
+    counts, b = run.counts, self.config.num_slots
+    counts["decode_chunks"] += 1
+    counts["decode_steps"] += int(steps.max())
+    counts["idle_slot_steps"] += int(np.sum(steps * (b - chunk.occupied)))
+    # Rows the host still runs (an overlapped chunk may hold rows that ended or were pruned
+    # when the chunk before it was read).
+    live = np.asarray([r for r, s in enumerate(chunk.rows)
+                       if s is not None and s.slot >= 0 and s.index not in run.done], np.int64)
+    if not live.size:
+      return
+    seq_ids, n_new = chunk.row_seq[live], count[live].astype(np.int64)
+    start = np.asarray([chunk.rows[r].num_tokens for r in live], np.int64)
+    run.out.append_chunk(seq_ids, start, n_new, toks[:, live], lps[:, live], tk_ids[:, live],
+                         tk_lps[:, live])
+    if rec:
+      run.det.update(seq_ids, [x[live] for x in rec])
+    for r, n in zip(live, n_new):
+      s = chunk.rows[r]
+      s.num_tokens += int(n)
+      s.length += int(n)
+      s.decoded = s.decoded or n > 0
+    for j in np.flatnonzero(~still[live]):
+      s = chunk.rows[live[j]]
+      counts["wasted_decode_steps"] += int(steps[s.shard]) - int(n_new[j])
+      self._finish(run, s, self._reason(s))
+
+  def _decode_chunk(self, run: _Run, running: list[SeqState]) -> None:
+    """One decode chunk, dispatched and read back (benchmarks time this)."""
+    self._absorb(run, self._dispatch(run, running))
+
+  def _finish(self, run: _Run, seq: SeqState, reason: str) -> None:
+    run.done[seq.index] = self._complete(run, seq, reason)
+    run.sched.release(seq)
+
+  def _complete(self, run: _Run, seq: SeqState, reason: str) -> Completion:
+    ids, lps, tk_ids, tk_lps = run.out.slices(seq.index, seq.num_tokens)
+    out = Completion(request_id=seq.req.request_id,
+                     prompt_ids=np.asarray(seq.req.prompt_ids, np.int32), token_ids=ids,
+                     logprobs=lps, finish_reason=reason, topk_ids=tk_ids,
+                     topk_logprobs=tk_lps, preemptions=seq.preemptions,
+                     pruned=reason == "pruned")
+    if run.det is not None:
+      out.quality_logit, out.detect_hidden, out.detect_index = run.det.best(seq.index)
+    return out
+
+  def _prune(self, run: _Run) -> None:
     """Decide every group that became complete; pruned members leave the engine now."""
+    tracker, hook, done, counts = run.tracker, run.prune, run.done, run.counts
     for key in tracker.ready_groups(set(done)):
       tracker.decided.add(key)
       cands = [sq for sq in tracker.members[key] if tracker.reached(sq)]
       if not cands:
         continue  # every member finished before L_detect: all kept
       keep = list(hook.decide(key, [PruneCandidate(sq.req.request_id,
-                                                   sq.extra["det"].best()[0], len(sq.tokens))
+                                                   run.det.best(sq.index)[0], sq.num_tokens)
                                     for sq in cands]))
       if len(keep) != len(cands):
         raise ValueError(f"prune hook returned {len(keep)} decisions for {len(cands)} "
@@ -612,130 +659,5 @@ class GenerationEngine:
           continue
         counts["pruned_running"] += 1
         if sq.slot < 0:  # preempted and waiting: leaves the queue
-          sched.queue.remove(sq)
-        self._finish(sched, sq, "pruned", done)
-
-  def _prefill(self, sched: Scheduler, admitted: list[SeqState], table, lora, done: dict,
-               counts) -> None:
-    cfg, d = self.config, self.num_shards
-    by_shard = [[s for s in admitted if s.shard == k] for k in range(d)]
-    n = _next_pow2(max(len(b) for b in by_shard))
-    longest = max(len(s.context) for s in admitted)
-    t = min(max(cfg.page_size, _next_pow2(longest)), cfg.max_pages_per_seq * cfg.page_size)
-    width = t // cfg.page_size
-    tokens = np.zeros((d * n, t), np.int32)
-    lengths = np.ones((d * n,), np.int32)
-    prompt_lengths = np.ones((d * n,), np.int32)
-    slot_ids = np.full((d * n,), cfg.num_slots, np.int32)  # out of range: dropped
-    rows = np.zeros((d * n, width), np.int32)
-    order: list[SeqState | None] = [None] * (d * n)
-    for k, group in enumerate(by_shard):
-      for j, s in enumerate(group):
-        r = k * n + j
-        ctx = np.asarray(s.context, np.int32)
-        tokens[r, :len(ctx)] = ctx
-        lengths[r] = len(ctx)
-        prompt_lengths[r] = s.prompt_len
-        slot_ids[r] = s.slot
-        rows[r, :min(len(s.pages), width)] = s.pages[:width]
-        order[r] = s
-    # A readmitted sequence recomputes its generated tokens as decode attended to them.
-    readmit = any(s.preemptions for s in admitted)
-    attention = (self.attention if readmit and isinstance(self.attention, attn_lib.BlockSparse)
-                 else attn_lib.Dense())
-    cache = self._kv.replace(page_table=self._zero_table())
-    params = [jnp.asarray(x) for x in self._row_params(order)]
-    cache, tok, lp, (tk_ids, tk_lps) = self._get_prefill(attention)(
-        self.state, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(slot_ids),
-        jnp.asarray(rows), *params, table, jnp.asarray(prompt_lengths), lora)
-    self._kv = cache
-    tok, lp, tk_ids, tk_lps = jax.device_get((tok, lp, tk_ids, tk_lps))
-    counts["prefills"] += 1
-    counts["prefill_tokens"] += int(sum(len(s.context) for s in admitted))
-    for r, s in enumerate(order):
-      if s is None:
-        continue
-      s.length = len(s.context)
-      reason = self._record(s, tok[r], lp[r], tk_ids[r], tk_lps[r])
-      if reason is not None:
-        self._finish(sched, s, reason, done)
-
-  def _det_args(self, prune: PruneHook, rows: list[SeqState | None]):
-    """(head, detection stop ids, prompt length, last window position) of the decode step."""
-    n = len(rows)
-    prompt_len = np.zeros((n,), np.int32)
-    det_end = np.full((n,), -1, np.int32)
-    for r, sq in enumerate(rows):
-      if sq is not None:
-        prompt_len[r] = sq.prompt_len
-        det_end[r] = sq.prompt_len + prune.detect_len - 1
-    ids = sorted(prune.stop_ids) or [-1]
-    head = prune.head_params
-    if head is None:  # no score wanted (random pruning): a zero head, logits are ignored
-      if self._zero_head is None:
-        shapes = jax.eval_shape(
-            lambda: init_quality_head(jax.random.PRNGKey(0), self.model_config.hidden_size))
-        self._zero_head = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-      head = self._zero_head
-    head = jax.device_put(head, NamedSharding(self.mesh, P()))
-    return (head, jnp.asarray(ids, jnp.int32), jnp.asarray(prompt_len), jnp.asarray(det_end))
-
-  def _zero_table(self):
-    return jnp.zeros((self.num_shards * self.config.num_slots, 1), jnp.int32)
-
-  def _decode_chunk(self, sched: Scheduler, running: list[SeqState], table, lora,
-                    done: dict, counts, prune: PruneHook | None = None) -> None:
-    d, b = self.num_shards, self.config.num_slots
-    width = self._page_bucket(max(len(s.pages) for s in running))
-    rows: list[SeqState | None] = [None] * (d * b)
-    for s in running:
-      rows[s.shard * b + s.slot] = s
-    tokens = np.zeros((d * b,), np.int32)
-    active = np.zeros((d * b,), bool)
-    remaining = np.zeros((d * b,), np.int32)
-    n_stop = max([len(s.stop_ids) for s in running] + [1])
-    stop_ids = np.full((d * b, n_stop), -1, np.int32)
-    for r, s in enumerate(rows):
-      if s is None:
-        continue
-      tokens[r], active[r], remaining[r] = s.pending, True, s.remaining
-      ids = sorted(s.stop_ids)
-      stop_ids[r, :len(ids)] = ids
-    cache = self._kv.replace(page_table=jnp.asarray(sched.page_table(width)))
-    params = [jnp.asarray(x) for x in self._row_params(rows)]
-    det = ()
-    if prune is not None:
-      det = (self._det_args(prune, rows),)
-    cache, outs, steps, rec = self._get_decode(prune is not None)(
-        self.state, cache, jnp.asarray(tokens), jnp.asarray(active), jnp.asarray(remaining),
-        jnp.asarray(stop_ids), *params, table, lora, *det)
-    self._kv = cache
-    outs, steps, rec = jax.device_get((outs, steps, rec))  # one transfer per chunk
-    if prune is not None:
-      for r, sq in enumerate(rows):
-        if sq is None:
-          continue
-        dt = sq.extra["det"]
-        if rec[2][r] >= 0:  # a stop token in the detection window this chunk
-          dt.logit, dt.hidden, dt.index = float(rec[0][r]), np.asarray(rec[1][r]), int(rec[2][r])
-        if rec[5][r] >= 0:
-          dt.last_logit, dt.last_hidden, dt.last_index = (float(rec[3][r]),
-                                                          np.asarray(rec[4][r]), int(rec[5][r]))
-    toks, lps, tk_ids, tk_lps = outs  # [C, D*B], [C, D*B, k]
-    steps = np.asarray(steps)  # [D] steps run per shard
-    counts["decode_chunks"] += 1
-    counts["decode_steps"] += int(steps.max())
-    for k in range(d):
-      occupied = sum(rows[k * b + j] is not None for j in range(b))
-      counts["idle_slot_steps"] += int(steps[k]) * (b - occupied)
-    for r, s in enumerate(rows):
-      if s is None:
-        continue
-      n_run = int(steps[s.shard])
-      for c in range(n_run):
-        s.length += 1
-        reason = self._record(s, toks[c, r], lps[c, r], tk_ids[c, r], tk_lps[c, r])
-        if reason is not None:
-          counts["wasted_decode_steps"] += n_run - c - 1
-          self._finish(sched, s, reason, done)
-          break
+          run.sched.queue.remove(sq)
+        self._finish(run, sq, "pruned")

@@ -14,10 +14,13 @@ A `PruneHook` (the trainer's ARRoL pruner implements it) gives the engine
 
 Detection point of a sequence: the last generated token among the first `detect_len` that is a
 stop token, else generated token `detect_len - 1` (`rl.arrol.detection_position` is the host
-reference). Its hidden state and head logit are recorded on device while decoding and read back
-per chunk, so preemption loses nothing. A sequence that finishes before L_detect is kept and is
-not a candidate; it still carries its last recorded hidden state (the label of a finished
-rollout is what trains the head). Pruned sequences leave the engine at once: slot and pages are
+reference). Its hidden state and head logit are recorded on device (`record_detection`) for
+every token a step takes as input: by the decode loop, and by every prefill for the last
+context token, the one that prefill takes as input instead of a decode step (for a sequence
+readmitted after preemption that is its last generated token). The records are read back per
+chunk into a `DetectionTable`, so preemption neither loses nor moves the detection point.
+A sequence that finishes before L_detect is kept and is not a candidate; it still carries its
+last recorded hidden state (the label of a finished rollout is what trains the head). Pruned sequences leave the engine at once: slot and pages are
 freed at the end of the chunk in which their group was decided, and queued requests take them.
 """
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Hashable, Protocol, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -47,22 +51,66 @@ class PruneHook(Protocol):
     ...
 
 
-@dataclasses.dataclass
-class Detection:
-  """What the engine recorded about one sequence's detection point."""
+def empty_record(batch: int, hidden_size: int):
+  """Initial on-device record of `batch` rows: (logit, hidden, index) at the last stop token in
+  the window, then the same at the latest window token (index -1: nothing recorded)."""
+  one = (jnp.zeros((batch,), jnp.float32), jnp.zeros((batch, hidden_size), jnp.float32),
+         jnp.full((batch,), -1, jnp.int32))
+  return one * 2
 
-  logit: float | None = None  # head logit at the detection point
-  hidden: np.ndarray | None = None  # [D] final-normed hidden state there
-  index: int = -1  # generated-token index of the detection point (-1: none yet)
-  last_logit: float | None = None  # the same at the latest generated token seen (fallback)
-  last_hidden: np.ndarray | None = None
-  last_index: int = -1
 
-  def best(self):
-    """(logit, hidden, index) of the detection point, else of the latest token seen."""
-    if self.index >= 0:
-      return self.logit, self.hidden, self.index
-    return self.last_logit, self.last_hidden, self.last_index
+def record_detection(rec, tok, pos, active, hidden, logit, det):
+  """Update the record with the input tokens of one step (traced).
+
+  tok int32 `[B]` the input token at position `pos` `[B]` (written into the cache by this
+  step), `active` bool `[B]`, `hidden` float32 `[B, D]` its final-normed hidden state, `logit`
+  `[B]` the head's logit of it; `det` = (head, det_stop_ids `[S]`, prompt_len `[B]`, det_end
+  `[B]`, the position of generated token detect_len - 1)."""
+  _, det_stop, prompt_len, det_end = det
+  window = active & (pos >= prompt_len) & (pos <= det_end)  # [B]
+  # The window's last token is the detection point only when no stop token came before it:
+  # that fallback is the "latest" record (`DetectionTable.best`).
+  at_stop = window & jnp.any(tok[:, None] == det_stop, axis=-1)
+  idx = pos - prompt_len  # generated-token index of the input token
+  new = []
+  for j, upd in enumerate((at_stop, window)):
+    lg, hs, ix = rec[3 * j:3 * j + 3]
+    new += [jnp.where(upd, logit, lg), jnp.where(upd[:, None], hidden, hs),
+            jnp.where(upd, idx, ix)]
+  return tuple(new)
+
+
+class DetectionTable:
+  """What the engine recorded about every request's detection point (host arrays)."""
+
+  def __init__(self, num_requests: int, hidden_size: int):
+    n, d = num_requests, hidden_size
+    self.logit = np.zeros((n,), np.float32)  # head logit at the detection point
+    self.hidden = np.zeros((n, d), np.float32)  # final-normed hidden state there
+    self.index = np.full((n,), -1, np.int64)  # generated-token index (-1: none yet)
+    self.last_logit = np.zeros((n,), np.float32)  # the same at the latest token seen
+    self.last_hidden = np.zeros((n, d), np.float32)
+    self.last_index = np.full((n,), -1, np.int64)
+
+  def update(self, seq_ids: np.ndarray, rec) -> None:
+    """Take a step's or chunk's record of rows whose requests are `seq_ids` `[R]`."""
+    logit, hidden, index, l_logit, l_hidden, l_index = (np.asarray(x) for x in rec)
+    for got, dst in (((logit, hidden, index), (self.logit, self.hidden, self.index)),
+                     ((l_logit, l_hidden, l_index),
+                      (self.last_logit, self.last_hidden, self.last_index))):
+      hit = got[2] >= 0
+      ids = seq_ids[hit]
+      for src, out in zip(got, dst):
+        out[ids] = src[hit]
+
+  def best(self, i: int):
+    """(logit, hidden, index) of request i's detection point, else of the latest token seen
+    (None, None, -1 when nothing was recorded)."""
+    if self.index[i] >= 0:
+      return float(self.logit[i]), self.hidden[i].copy(), int(self.index[i])
+    if self.last_index[i] >= 0:
+      return float(self.last_logit[i]), self.last_hidden[i].copy(), int(self.last_index[i])
+    return None, None, -1
 
 
 class GroupTracker:
@@ -79,7 +127,7 @@ class GroupTracker:
   def reached(self, seq) -> bool:
     """The hidden state of generated token detect_len - 1 has been computed (a decode step
     took it as input and sampled the next token)."""
-    return len(seq.tokens) > self.detect_len
+    return seq.num_tokens > self.detect_len
 
   def ready_groups(self, finished: set) -> list:
     """Undecided groups whose members all reached L_detect or finished."""

@@ -1,19 +1,29 @@
 """Host-side scheduling of the generation engine: page allocation, admission, growth and
-recompute preemption (vLLM's policy), per device shard.
+recompute preemption (vLLM's policy and order), per device shard.
 
 The engine owns one `Scheduler`. Requests wait in one FIFO queue shared by all shards; every
 shard (one device of the rollout mesh) has `num_slots` sequence slots and its own pool of KV
-pages with its own `PageAllocator`. One loop iteration of the engine calls
+pages with its own `PageAllocator`. One loop iteration of the engine calls, in vLLM's order,
 
-  1. `admit()`      queued sequences take free slots while their shard has pages for the
-                    sequence so far plus the next decode chunk (first come, first served: the
-                    head of the queue waits for pages rather than being overtaken);
-  2. `grow()`       every running sequence gets pages for its next chunk; when a shard runs
+  1. `grow()`       every running sequence gets pages for its next chunk; when a shard runs
                     out, its most recently admitted sequence is *preempted*: its pages are
                     freed and it goes back to the front of the queue, to be readmitted later
                     with its prompt + generated tokens recomputed by a prefill;
+  2. `admit()`      queued sequences take free slots while their shard keeps more than
+                    `watermark_pages` free pages after giving them pages for the sequence so far
+                    plus the next decode chunk (first come, first served: the head of the queue
+                    waits for pages rather than being overtaken). A shard that preempted in this
+                    iteration's `grow()` admits nothing (vLLM V1 does the same), and a shard
+                    with nothing running ignores the watermark (its first sequence always fits);
   3. `finish()` / `release()` when a sequence ends (or is pruned) its slot and pages are free
                     for the next admission.
+
+Running sequences are served before queued ones, so a sequence admitted in an iteration
+always decodes in it: the old order (admit, then grow) preempted the sequence it had just
+prefilled whenever the running ones needed its pages (`wasted_prefill_tokens` counts tokens
+prefilled and then preempted before one decode step). `reserve()` gives running sequences pages
+further ahead without preempting anyone, so the engine can dispatch the next decode chunk
+before it has read the previous one.
 
 Sampling is a pure function of (request seed, position), so where and when a sequence runs,
 and how often it is preempted, does not change its tokens.
@@ -28,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from sparrow_jax.models.kv_cache import NULL_PAGE, page_table_row, pages_for
+from sparrow_jax.models.kv_cache import NULL_PAGE, pages_for
 
 
 class PageAllocator:
@@ -83,16 +93,17 @@ class SeqState:
   index: int  # position of the request in the generate() call
   stop_ids: frozenset
   max_len: int  # prompt + max_new_tokens, capped at the engine's max_seq_len
-  tokens: list = dataclasses.field(default_factory=list)
-  logprobs: list = dataclasses.field(default_factory=list)
-  topk_ids: list = dataclasses.field(default_factory=list)
-  topk_lps: list = dataclasses.field(default_factory=list)
+  # [max_new] int32: the request's row of the engine's token buffer (`outputs.OutputBuffers`)
+  tokens: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+  num_tokens: int = 0  # generated so far: tokens[:num_tokens]
   shard: int = -1
   slot: int = -1  # slot index within the shard; -1 while queued
   pages: list = dataclasses.field(default_factory=list)
   length: int = 0  # tokens held in the cache (host mirror of cache.lengths)
   admitted_at: int = -1  # admission counter (preemption takes the largest)
   preemptions: int = 0
+  prefilled: int = 0  # tokens the last admission prefills
+  decoded: bool = False  # a decode step ran since the last admission
   extra: dict = dataclasses.field(default_factory=dict)  # hooks' per-sequence state
 
   @property
@@ -100,25 +111,31 @@ class SeqState:
     return len(self.req.prompt_ids)
 
   @property
-  def context(self) -> list[int]:
-    """Prompt + generated tokens: what a (re)admission prefills."""
-    return list(self.req.prompt_ids) + self.tokens
+  def context_len(self) -> int:
+    return self.prompt_len + self.num_tokens
+
+  @property
+  def context(self) -> np.ndarray:
+    """Prompt + generated tokens `[context_len]` int32: what a (re)admission prefills."""
+    return np.concatenate([np.asarray(self.req.prompt_ids, np.int32),
+                           self.tokens[:self.num_tokens]])
 
   @property
   def pending(self) -> int:
     """The last sampled token, not yet written into the cache."""
-    return self.tokens[-1]
+    return int(self.tokens[self.num_tokens - 1])
 
   @property
   def remaining(self) -> int:
     """Tokens this sequence may still generate (max_new_tokens and context limits)."""
-    return self.max_len - self.prompt_len - len(self.tokens)
+    return self.max_len - self.prompt_len - self.num_tokens
 
 
 @dataclasses.dataclass
 class SchedulerStats:
   preemptions: int = 0
   recomputed_tokens: int = 0  # prompt + generated tokens prefilled again after a preemption
+  wasted_prefill_tokens: int = 0  # prefilled, then preempted before one decode step
   admissions: int = 0
   pool_high_water: int = 0  # pages, max over shards
   pool_capacity: int = 0  # pages per shard
@@ -126,6 +143,7 @@ class SchedulerStats:
 
   def as_dict(self) -> dict[str, float]:
     return {"preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
+            "wasted_prefill_tokens": self.wasted_prefill_tokens,
             "admissions": self.admissions, "pool_high_water_pages": self.pool_high_water,
             "pool_capacity_pages": self.pool_capacity,
             "pool_high_water_frac": self.pool_high_water / max(self.pool_capacity, 1)}
@@ -135,13 +153,20 @@ class Scheduler:
   """Queue, slots and page pools of all shards (see the module docstring)."""
 
   def __init__(self, *, num_shards: int, num_slots: int, num_pages: int, page_size: int,
-               max_pages_per_seq: int, chunk: int):
+               max_pages_per_seq: int, chunk: int, watermark_pages: int = 0):
+    if watermark_pages < 0:
+      raise ValueError(f"Scheduler watermark_pages={watermark_pages}: expected >= 0")
     self.num_shards, self.num_slots = num_shards, num_slots
     self.page_size, self.max_pages_per_seq, self.chunk = page_size, max_pages_per_seq, chunk
+    self.watermark_pages = watermark_pages
     self.allocators = [PageAllocator(num_pages) for _ in range(num_shards)]
     self.slots: list[list[SeqState | None]] = [[None] * num_slots for _ in range(num_shards)]
     self.queue: collections.deque[SeqState] = collections.deque()
     self._counter = itertools.count()
+    self.preempted_shards: set[int] = set()  # shards that preempted in the last grow()
+    # The page table of every slot, kept as pages are handed out and freed (local page ids;
+    # free slots and unused columns -> the null page): a chunk's table is a slice of it.
+    self._table = np.zeros((num_shards * num_slots, max_pages_per_seq), np.int32)
     self.stats = SchedulerStats(pool_capacity=self.allocators[0].capacity,
                                 shard_admissions=[0] * num_shards)
 
@@ -175,28 +200,37 @@ class Scheduler:
           yield d, j
 
   def admit(self) -> list[SeqState]:
-    """Move queued sequences into free slots while pages allow (FCFS)."""
+    """Move queued sequences into free slots while pages allow (FCFS), keeping more than
+    `watermark_pages` pages free in every shard that runs something; shards that preempted
+    in the last `grow()` take nothing."""
     admitted = []
+    busy = [any(s is not None for s in shard) for shard in self.slots]
     for d, j in self._free_slot_shards():
       if not self.queue:
         break
+      if d in self.preempted_shards:
+        continue
       seq = self.queue[0]
-      length = len(seq.context)
+      length = seq.context_len
       need = self.pages_needed(seq, length + self.chunk)
       alloc = self.allocators[d]
-      if need > alloc.num_free:
+      reserve = self.watermark_pages if busy[d] else 0
+      if need > alloc.num_free - reserve:
         # Another shard may have room; the queue head is tried there next (same order).
         continue
       self.queue.popleft()
-      seq.pages = alloc.alloc(need)
+      seq.pages = []
       seq.shard, seq.slot = d, j
+      self._give(seq, need)
       seq.admitted_at = next(self._counter)
       seq.length = 0  # set by the prefill
+      seq.prefilled, seq.decoded = length, False
       if seq.preemptions:
         self.stats.recomputed_tokens += length
       self.stats.admissions += 1
       self.stats.shard_admissions[d] += 1
       self.slots[d][j] = seq
+      busy[d] = True
       admitted.append(seq)
     self._update_high_water()
     return admitted
@@ -204,6 +238,7 @@ class Scheduler:
   def grow(self) -> list[SeqState]:
     """Pages for every running sequence's next chunk; preempts (most recent admission first)
     when a shard runs out. Returns the sequences that keep running, oldest first."""
+    self.preempted_shards = set()
     for seq in self.running():
       if seq.slot < 0:  # preempted earlier in this loop
         continue
@@ -216,12 +251,31 @@ class Scheduler:
         if victim is seq:
           break
       if seq.slot >= 0 and need > 0:
-        seq.pages.extend(alloc.alloc(need))
+        self._give(seq, need)
     self._update_high_water()
     return self.running()
 
+  def reserve(self, tokens_ahead: int) -> bool:
+    """Pages for `tokens_ahead` more tokens of every running sequence, if every shard has
+    them (then True); otherwise nothing changes (False). Never preempts."""
+    needs = [(s, self.pages_needed(s, s.length + tokens_ahead) - len(s.pages))
+             for s in self.running()]
+    per_shard = collections.Counter()
+    for s, n in needs:
+      per_shard[s.shard] += max(n, 0)
+    if any(n > self.allocators[d].num_free for d, n in per_shard.items()):
+      return False
+    for s, n in needs:
+      if n > 0:
+        self._give(s, n)
+    self._update_high_water()
+    return True
+
   def preempt(self, seq: SeqState) -> None:
     """Free a running sequence's slot and pages and put it at the front of the queue."""
+    if not seq.decoded:
+      self.stats.wasted_prefill_tokens += seq.prefilled
+    self.preempted_shards.add(seq.shard)
     self.release(seq)
     seq.preemptions += 1
     self.stats.preemptions += 1
@@ -233,17 +287,20 @@ class Scheduler:
       return
     self.allocators[seq.shard].free(seq.pages)
     self.slots[seq.shard][seq.slot] = None
+    self._table[seq.shard * self.num_slots + seq.slot] = NULL_PAGE
     seq.pages, seq.slot, seq.length = [], -1, 0
+
+  def _give(self, seq: SeqState, n: int) -> None:
+    """`n` more pages of its shard's pool for a running sequence (and its page-table row)."""
+    pages = self.allocators[seq.shard].alloc(n)
+    row = seq.shard * self.num_slots + seq.slot
+    self._table[row, len(seq.pages):len(seq.pages) + n] = pages
+    seq.pages.extend(pages)
 
   # --- device views -------------------------------------------------------------------------
   def page_table(self, width: int) -> np.ndarray:
     """`[shards * slots, width]` int32 page table (local page ids; free slots -> null page)."""
-    out = np.zeros((self.num_shards * self.num_slots, width), np.int32)
-    for d, shard in enumerate(self.slots):
-      for j, s in enumerate(shard):
-        if s is not None:
-          out[d * self.num_slots + j] = page_table_row(s.pages[:width], width)
-    return out
+    return self._table[:, :width].copy()
 
   def _update_high_water(self) -> None:
     self.stats.pool_high_water = max(self.stats.pool_high_water,

@@ -54,6 +54,7 @@ class TrainConfig:
   max_new_tokens: int = 1024
   temperature: float = 1.0  # T: also divides the logits of every training-side log-prob
   top_p: float = 1.0  # sampling only: training log-probs use the full tempered distribution
+  top_k: int = 0  # sampling only, like top_p (0 = off); applied before top_p, as vLLM does
   schedule: str = "dense"  # preset name | JSON path | constant:K | dense
   page_size: int = 16
   landmark: str = "mean"
@@ -207,6 +208,8 @@ class TrainConfig:
       raise ValueError(f"kv_cache_fraction={self.kv_cache_fraction}: expected in (0, 1]")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p={self.top_p}: expected in (0, 1]")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 = off)")
     if self.temperature < 0:
       raise ValueError(f"temperature={self.temperature}: expected >= 0")
     if self.dual_clip_c is not None and not self.dual_clip_c > 1:

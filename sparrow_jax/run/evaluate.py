@@ -49,7 +49,7 @@ def _rank_last_unscored(logits) -> list[float]:
 
 
 def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mode: str = "dense",
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 1234,
+             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, seed: int = 1234,
              deepconf_window: int = 2048, deepconf_lowest: float = 0.1) -> dict[str, Any]:
   """k samples per prompt -> avg@k, pass@k, maj@k; weighted votes side by side: by the ARRoL
   quality head's rank weights (when the run trained one) and by DeepConf trace confidence
@@ -71,7 +71,7 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   for i, e in enumerate(examples):
     ids = encode_prompt(trainer.tokenizer, e, cfg.chat_template)
     for j in range(k):
-      reqs.append(Request(ids, SamplingParams(temperature=temperature, top_p=top_p,
+      reqs.append(Request(ids, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                               max_new_tokens=cfg.max_new_tokens,
                                               seed=seed + i * k + j), (i, j)))
   hook = None

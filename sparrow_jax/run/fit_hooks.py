@@ -69,7 +69,7 @@ def validation_metrics(trainer) -> dict[str, Any]:
     return {}
   t0 = time.perf_counter()
   res = evaluate(trainer, trainer.val_examples, k=cfg.val_k, mode=trainer.rollout_mode(),
-                 temperature=cfg.temperature, top_p=cfg.top_p)
+                 temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
   out = {"val/" + k.split("/", 1)[1]: v for k, v in res.items()
          if isinstance(v, (int, float)) and not isinstance(v, bool)}
   out["val/time_s"] = time.perf_counter() - t0

@@ -63,7 +63,7 @@ from sparrow_jax.run.memory import device_memory_bytes
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.run.metrics import MetricsLogger
 from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
-from sparrow_jax.engine.sampling import SamplingParams
+from sparrow_jax.engine.sampling import SamplingParams, request_seed
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec,
                                            teacher_forced_budgets)
@@ -73,7 +73,8 @@ _log = logging.getLogger(__name__)
 
 # Engine stats of each rollout logged by the trainer (see `engine.GenerationEngine`).
 _ENGINE_METRICS = ("preemptions", "recomputed_tokens", "pool_high_water_frac",
-                   "wasted_decode_steps", "idle_slot_steps", "decode_steps")
+                   "wasted_decode_steps", "idle_slot_steps", "decode_steps",
+                   "wasted_prefill_tokens", "prefill_padding_frac")
 
 
 class TrainingStopped(RuntimeError):
@@ -171,10 +172,11 @@ class Trainer:
     self._scorer: rewards_lib.RewardScorer | None = None  # started on first use
     # The engine samples greedily at temperature 0 and then reports untempered log-probs.
     self.temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-    if cfg.top_p < 1 and (cfg.tis_cap is not None or cfg.tis_mask_threshold is not None):
-      _log.warning("top_p=%s < 1 with TIS: the rollout log-probs are renormalised over the "
-                   "nucleus, the dense ones are not, so the TIS ratio is biased low by the "
-                   "nucleus mass (see README, Configuration)", cfg.top_p)
+    if (cfg.top_p < 1 or cfg.top_k) and (cfg.tis_cap is not None
+                                         or cfg.tis_mask_threshold is not None):
+      _log.warning("top_p=%s / top_k=%s with TIS: the rollout log-probs are renormalised over "
+                   "the kept set, the dense ones are not, so the TIS ratio is biased low by "
+                   "the kept mass (see README, Configuration)", cfg.top_p, cfg.top_k)
     self.warmstart_done = False
     self.resumed_step: int | None = None
     self.last_rollout = None  # (example of each completion, completions, rewards), last step
@@ -285,10 +287,10 @@ class Trainer:
     return mb_lib.run(fn, arrays, plan, place=self._place, keys=keys, prepare=prepare)
 
   def engine_release(self) -> None:
-    """Free the engine's KV pool while the trainer runs (rebuilt by the next rollout)."""
-    release = getattr(self.engine, "release", None)
-    if release is not None and self.cfg.release_kv_cache:
-      release()
+    """Free the engine's KV pool while the trainer runs (`release_kv_cache`; the next
+    rollout rebuilds it at the same size)."""
+    if self.cfg.release_kv_cache:
+      self.engine.release_kv_pool()
 
   def _switch_schedule(self, schedule: SparsitySchedule) -> None:
     self.schedule = schedule
@@ -366,9 +368,9 @@ class Trainer:
     for i, e in enumerate(examples):
       ids = encode_prompt(self.tokenizer, e, cfg.chat_template)
       for g in range(cfg.group_size):
-        seed = (cfg.seed * 1_000_003 + step * 9_176 + i * cfg.group_size + g
-                + round_ * 0x5BD1E995) & 0x7FFFFFFF
+        seed = request_seed(cfg.seed, step, round_, i, g)
         reqs.append(Request(ids, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
+                                                top_k=cfg.top_k,
                                                 max_new_tokens=cfg.max_new_tokens, seed=seed),
                             (i, g), group=(round_, i)))
     lora = self.lora if self.cfg.distill else None
@@ -699,8 +701,8 @@ class Trainer:
             "arrol": (None if self.arrol is None else
                       {"step": self.arrol.step,
                        "calibrator": self.arrol.calibrator.state_dict()}),
-            # Sampling keys are fold_in(PRNGKey(seed), position) with seed derived from
-            # (config seed, step, prompt, sample): the step and seed fix every random draw.
+            # Sampling keys are fold_in(key(seed), position) with seed = request_seed(config
+            # seed, step, round, prompt, sample): the step and seed fix every random draw.
             "rng": {"seed": self.cfg.seed, "scheme": "per-request fold_in(seed, position)"}}
 
   def _ladder_state(self):

@@ -118,7 +118,7 @@ def test_decode_step_has_no_pool_sized_copy_or_slice(attention):
   b = 4
   cache = eng._kv.replace(page_table=jnp.zeros((b, 8), jnp.int32))
   args = (eng.state, cache, jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
-          jnp.ones((b,), jnp.int32), jnp.zeros((b, 1), jnp.int32), jnp.zeros((b,), jnp.int32),
+          jnp.ones((b,), jnp.int32), jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 2), jnp.uint32),
           jnp.zeros((b,)), jnp.ones((b,)), jnp.zeros((b,), jnp.int32), eng._table(), None)
   hlo = eng._get_decode().lower(*args).compile().as_text()
   assert f"{POOL}" in hlo  # the pool is there (as parameters / loop state)...

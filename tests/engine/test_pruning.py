@@ -54,17 +54,17 @@ def _requests():
 
 
 def _instrument(eng, events):
-  prefill, decode = eng._prefill, eng._decode_chunk
+  prefill, decode = eng._prefill, eng._dispatch
 
-  def p(sched, admitted, *a):
+  def p(run, admitted):
     events.append(("prefill", len(admitted)))
-    return prefill(sched, admitted, *a)
+    return prefill(run, admitted)
 
   def d(*a, **k):
     events.append(("decode", 0))
     return decode(*a, **k)
 
-  eng._prefill, eng._decode_chunk = p, d
+  eng._prefill, eng._dispatch = p, d
 
 
 def _hidden_at(model, tokens, pos, attention=None, lora=None, prompt_len=None, page=None):
@@ -155,3 +155,48 @@ def test_sequences_that_finish_before_detection_are_kept(model):
   for o in (outs[0], outs[3]):
     n = len(o.token_ids)
     assert o.detect_index == detection_position(o.token_ids[:-1], STOPS, n - 1)
+
+
+class KeepAll:
+  """Keeps every candidate; records what the engine decided on."""
+
+  def __init__(self, head, detect_len):
+    self.detect_len, self.stop_ids, self.head_params = detect_len, STOPS, head
+    self.calls = {}
+
+  def decide(self, group, cands):
+    assert all(c.logit is not None for c in cands)  # every candidate was scored
+    self.calls[group] = [(c.request_id, c.logit) for c in cands]
+    return [True] * len(cands)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t1"])
+def test_detection_point_does_not_move_under_preemption(model, temperature):
+  # A readmission prefills the last generated token instead of decoding it: its detection
+  # record must come from the prefill, or the point lands elsewhere (issue 19: 7 for 8).
+  head = init_quality_head(jax.random.PRNGKey(3), CFG.hidden_size)
+  reqs = [Request(r.prompt_ids, SamplingParams(temperature=temperature, max_new_tokens=NEW,
+                                               seed=r.sampling.seed), r.request_id,
+                  group=r.group) for r in _requests()]
+  ecfg = lambda pages: EngineConfig(num_slots=4, max_seq_len=64, page_size=4, decode_chunk=4,
+                                    num_pages=pages)
+  engines = {p: GenerationEngine(model, ecfg(p)) for p in (None, 13, 19)}
+  for detect_len in (1, 9):
+    runs = {}
+    for pages, eng in engines.items():
+      hook = KeepAll(head, detect_len)
+      runs[pages] = (eng.generate(reqs, prune=hook), hook.calls)
+      assert (eng.last_stats["preemptions"] > 0) == (pages is not None), eng.last_stats
+    ref, ref_calls = runs[None]
+    for pages, (outs, calls) in runs.items():
+      for r, o, b in zip(reqs, outs, ref):
+        np.testing.assert_array_equal(o.token_ids, b.token_ids)
+        assert o.detect_index == detection_position(o.token_ids, STOPS, detect_len), (
+            pages, detect_len, r.request_id)
+        np.testing.assert_allclose(o.detect_hidden, b.detect_hidden, atol=2e-5)
+        np.testing.assert_allclose(o.quality_logit, b.quality_logit, atol=2e-5)
+      assert calls.keys() == ref_calls.keys()
+      for g in calls:  # the same candidates, scored the same: the same decisions
+        assert [i for i, _ in calls[g]] == [i for i, _ in ref_calls[g]]
+        np.testing.assert_allclose([x for _, x in calls[g]], [x for _, x in ref_calls[g]],
+                                   atol=2e-5)

@@ -136,7 +136,7 @@ def test_scheduler_admits_fcfs_and_preempts_the_latest_admission():
   assert [s.index for s in admitted] == [0, 1]
   assert [s.index for s in sched.queue] == [2, 3]  # seq 3 would fit but does not overtake
   for s in admitted:
-    s.tokens, s.length = [9], 7
+    s.num_tokens, s.length = 1, 7
   seqs[0].length = 20  # seq 0 needs 3 more pages, 2 are free: seq 1 (latest admission) yields
   running = sched.grow()
   assert [s.index for s in running] == [0]
@@ -144,8 +144,9 @@ def test_scheduler_admits_fcfs_and_preempts_the_latest_admission():
   assert seqs[1].preemptions == 1 and seqs[1].pages == [] and seqs[1].slot == -1
   assert len(seqs[0].pages) == 6 and sched.allocators[0].num_free == 2
   assert sched.stats.preemptions == 1
-  assert sched.admit() == []  # seq 1 needs 3 pages (7 + 1 generated + 4): it waits
+  assert sched.admit() == []  # the shard preempted in this iteration: it admits nothing
   sched.release(seqs[0])  # seq 0 finishes
+  assert sched.grow() == []  # the next iteration: nothing left to grow
   readmitted = sched.admit()
   assert [s.index for s in readmitted] == [1, 2, 3]
   assert sched.stats.recomputed_tokens == 8
@@ -159,3 +160,88 @@ def test_scheduler_spreads_a_small_batch_over_shards():
   assert [(s.shard, s.slot) for s in admitted] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1)]
   table = sched.page_table(4)
   assert table.shape == (8, 4) and (table[2 * 0 + 1] != 0).any() and (table[2 * 1 + 1] == 0).all()
+
+
+def test_grow_before_admit_wastes_no_prefill_and_keeps_a_watermark():
+  # Seq A runs (15 tokens in 4 pages) and needs 2 more pages for its next chunk; seq B waits
+  # and needs 4. Capacity 8, 4 free: admitting first (the old order) hands B the last 4
+  # pages, and the growth of A then preempts B right after its prefill.
+  def setup():
+    sched = Scheduler(num_shards=1, num_slots=4, num_pages=9, page_size=4,
+                      max_pages_per_seq=16, chunk=8)
+    a, b = _seq(0, 7, 40), _seq(1, 7, 40)
+    sched.submit([a])
+    sched.admit()
+    a.num_tokens, a.length, a.decoded = 9, 15, True
+    sched.submit([b])
+    return sched, a, b
+
+  sched, a, b = setup()
+  assert sched.admit() == [b]  # old order: admit, prefill, then grow
+  b.num_tokens, b.length = 1, 7
+  assert sched.grow() == [a] and b.preemptions == 1
+  assert sched.stats.wasted_prefill_tokens == 7
+  sched, a, b = setup()
+  assert sched.grow() == [a]  # engine order: running sequences first
+  assert sched.admit() == [] and len(a.pages) == 6  # B waits for pages, nothing is wasted
+  assert sched.stats.wasted_prefill_tokens == 0 and sched.stats.preemptions == 0
+
+  # The watermark: a shard that runs something admits only while >= watermark pages stay
+  # free; an idle shard takes a sequence that fits, however few pages that leaves.
+  def with_watermark(w, *seqs):
+    sched = Scheduler(num_shards=1, num_slots=4, num_pages=13, page_size=4,
+                      max_pages_per_seq=16, chunk=4, watermark_pages=w)
+    sched.submit(seqs)
+    return [s.index for s in sched.admit()]
+
+  assert with_watermark(3, _seq(0, 40, 4), _seq(1, 1, 4)) == [0]  # 11 of 12 pages, idle
+  assert with_watermark(3, _seq(0, 30, 10), _seq(1, 3, 10)) == [0]  # 2 more would leave 1
+  assert with_watermark(1, _seq(0, 30, 10), _seq(1, 3, 10)) == [0, 1]
+  with pytest.raises(ValueError, match="watermark_pages=-1"):
+    Scheduler(num_shards=1, num_slots=1, num_pages=4, page_size=4, max_pages_per_seq=1,
+              chunk=1, watermark_pages=-1)
+
+
+class _AdmitFirst(GenerationEngine):
+  """The loop order before issue 19: admit into whatever is free (one mixed prefill batch),
+  then grow the running sequences (preempting the newest), no watermark."""
+
+  def _schedule(self, run):
+    sched = run.sched
+    sched.preempted_shards, sched.watermark_pages = set(), 0
+    admitted = sched.admit()
+    if admitted:
+      self._prefill(run, admitted)
+    sched.grow()
+    return sched.running()
+
+
+def test_pressure_scenario_wastes_no_prefill_and_matches_a_large_pool(sharp_model):
+  # Short and long requests mixed: pages freed by a short one go to a queued request, and in
+  # the old order the long ones' growth then preempted it right after its prefill.
+  rng = np.random.default_rng(0)
+  news = [40, 6, 40, 10, 40, 6, 40, 14, 8, 40, 6, 12]
+  reqs = [Request(list(rng.integers(3, 500, int(rng.integers(8, 20)))),
+                  SamplingParams(temperature=1.0, max_new_tokens=n, seed=100 + i), i)
+          for i, n in enumerate(news)]
+  cfg = dict(num_slots=6, max_seq_len=64, page_size=PAGE, decode_chunk=4)
+  tight = dict(cfg, num_pages=30)
+  ref = GenerationEngine(sharp_model, EngineConfig(**cfg)).generate(reqs)
+  old = _AdmitFirst(sharp_model, EngineConfig(**tight))
+  old_out = old.generate(reqs)
+  assert old.last_stats["wasted_prefill_tokens"] > 0, old.last_stats  # the scenario bites
+  eng = GenerationEngine(sharp_model, EngineConfig(**tight))
+  batches = []
+  prefill = eng._prefill
+  eng._prefill = lambda run, admitted: (batches.append([s.preemptions for s in admitted]),
+                                        prefill(run, admitted))[1]
+  out = eng.generate(reqs)
+  st = eng.last_stats
+  assert st["preemptions"] > 0 and st["wasted_prefill_tokens"] == 0, st
+  # Readmissions are prefilled in their own batches, never padded together with prompts.
+  assert any(b[0] for b in batches) and all(bool(min(b)) == bool(max(b)) for b in batches)
+  assert 0 < st["prefill_padding_frac"] < 1
+  for a, b, c in zip(ref, out, old_out):
+    np.testing.assert_array_equal(b.token_ids, a.token_ids)
+    np.testing.assert_array_equal(c.token_ids, a.token_ids)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-4)

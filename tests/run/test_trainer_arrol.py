@@ -106,3 +106,41 @@ def test_eval_votes_with_the_head_and_deepconf_side_by_side(tmp_path, monkeypatc
   assert out["eval/head_maj@4"] == em.weighted_maj_at_k(answers, rewards, scores, 4, rank=True)
   assert out["eval/deepconf_maj@4"] == em.weighted_maj_at_k(answers, rewards, conf, 4)
   assert out["eval/maj@4"] == em.maj_at_k(answers, rewards, 4)
+
+
+@pytest.mark.slow
+def test_arrol_decisions_do_not_depend_on_the_pool(tmp_path):
+  """A pool so small that rollouts are preempted and readmitted keeps every ARRoL decision
+  of a pool that fits everyone: detection points, head logits, pruned rollouts, survivors."""
+  extra = ["num_steps=2", "max_new_tokens=12", "decode_chunk=2", "arrol_detect_len=4"]
+  seen = {}
+  for name, pool in (("large", []), ("tiny", ["kv_cache_gb=0.00018"])):
+    tr = Trainer(_cfg(tmp_path / name, *extra, *pool), quiet=True)
+    calls, preempted = [], 0
+    real = tr.engine.generate
+
+    def spy(reqs, **kw):
+      outs = real(reqs, **kw)
+      calls.append([(c.request_id, c.pruned, c.detect_index, c.quality_logit,
+                     tuple(c.token_ids)) for c in outs])
+      return outs
+
+    tr.engine.generate = spy
+    for _ in range(2):  # the warm-up step, then one that prunes
+      m = tr.train_step()
+      preempted += tr.engine.last_stats["preemptions"]
+    seen[name] = (calls, preempted, m["arrol/pruned"])
+  (big, n_big, pruned_big), (small, n_small, pruned_small) = seen["large"], seen["tiny"]
+  assert n_big == 0 and n_small > 0
+  assert pruned_big == pruned_small > 0
+  assert len(big) == len(small)
+  for a, b in zip(big, small):
+    for (ida, pa, da, la, ta), (idb, pb, db, lb, tb) in zip(a, b):
+      assert (ida, pa, da) == (idb, pb, db)
+      # A rollout pruned while running stops when its group is decided, which waits for the
+      # group's slowest member: its partial tokens (dropped by the trainer) depend on the pool.
+      n = min(len(ta), len(tb)) if pa else len(ta)
+      assert ta[:n] == tb[:n] and (pa or ta == tb)
+      assert (la is None) == (lb is None)
+      if la is not None:
+        assert la == pytest.approx(lb, abs=1e-5)

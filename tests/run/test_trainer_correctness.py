@@ -201,25 +201,30 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   assert abs(float(metrics["ratio_max"]) - 1) < 1e-5 and abs(float(metrics["ratio_min"]) - 1) < 1e-5
 
 
-def test_top_p_only_shapes_sampling(tmp_path):
-  """top_p < 1: the engine's log-probs are renormalised over the nucleus, the training side
-  keeps the full tempered distribution (verl's convention), so rollout - dense = -log(nucleus
-  mass under softmax(logits / T)) on every response token."""
+@pytest.mark.parametrize("top_p,top_k", [(0.5, 0), (0.9, 5)], ids=["top_p", "top_k_top_p"])
+def test_top_p_and_top_k_only_shape_sampling(tmp_path, top_p, top_k):
+  """top_p < 1 / top_k > 0: the engine's log-probs are renormalised over the kept set (the
+  top-k, then the nucleus of the renormalised top-k), the training side keeps the full
+  tempered distribution (verl's convention), so rollout - dense = -log(kept mass under
+  softmax(logits / T)) on every response token."""
   from flax import nnx
-  temp, top_p = 0.7, 0.5
+  temp = 0.7
   tr = _trainer(tmp_path, "distill=false", "schedule=dense", f"temperature={temp}",
-                f"top_p={top_p}")
+                f"top_p={top_p}", f"top_k={top_k}")
   batch = tr.make_batch(tr.rollout(tr.dataset.next_batch(), 1))
   tokens = jnp.asarray(batch["tokens"])
   old = tr.recompute(batch)["old_logp"]
   logits = np.asarray(nnx.merge(tr.graphdef, tr.params)(tokens), np.float64) / temp
   probs = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True))  # [B, T, V]
-  desc = -np.sort(-probs, axis=-1)
-  mass = np.sum(desc * ((np.cumsum(desc, -1) - desc) < top_p), -1)  # the nucleus, as sampled
+  top = -np.sort(-probs, axis=-1)[..., :top_k or None]  # the top-k set, descending
+  renorm = top / top.sum(-1, keepdims=True)
+  mass = np.sum(top * ((np.cumsum(renorm, -1) - renorm) < top_p), -1)  # as sampled
   m = batch["mask"] > 0
-  nucleus = np.pad(mass[:, :-1], ((0, 0), (1, 0)))[m]  # token t is predicted at t - 1
-  np.testing.assert_allclose(batch["rollout_logp"][m] - old[m], -np.log(nucleus), atol=5e-5)
-  assert nucleus.min() < 0.99  # the nucleus really cut something
+  kept = np.pad(mass[:, :-1], ((0, 0), (1, 0)))[m]  # token t is predicted at t - 1
+  np.testing.assert_allclose(batch["rollout_logp"][m] - old[m], -np.log(kept), atol=5e-5)
+  assert kept.min() < 0.99  # the filters really cut something
+  with pytest.raises(ValueError, match="top_k=-1"):
+    get_train_config("tiny", ["top_k=-1"])
 
 
 # --- 6. dual clip on by default ----------------------------------------------------------------

@@ -1,0 +1,157 @@
+"""The engine's jitted per-device programs: prefill and the chunked decode loop.
+
+`DeviceSteps` is a base of `GenerationEngine` (which provides the graphdef, the configs, the
+mesh, the attention strategy and schedule, and the cache specs): each body runs under
+`shard_map`, one device's slots against that device's pool. One program is compiled per key
+(attention strategy, schedule bins, pruning on/off, the call's largest top_k) and cached;
+`num_compilations` counts traces.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from sparrow_jax.engine.pruning import empty_record, record_detection
+from sparrow_jax.engine.sampling import sample_tokens, topk_logprobs
+from sparrow_jax.models import attention as attn_lib
+from sparrow_jax.models.decoder import rope_tables
+from sparrow_jax.models.quality_head import quality_logits
+from sparrow_jax.schedule.schedule import budget_pages, teacher_forced_budgets
+
+AXIS = "rollout"  # the one mesh axis of the engine: every device is a shard
+
+
+class DeviceSteps:
+  """Prefill and decode bodies and their compiled-program caches (a base of the engine)."""
+
+  def _prefill_local(self, attention, max_top_k, state, cache, tokens, lengths, slots,
+                     page_rows, seeds, temps, top_ps, top_ks, table, prompt_lengths, lora,
+                     det=None):
+    """Prefill rows `[n, T]`, sample each one's next token. With `det` (pruning), also the
+    detection record of each row's last context token: the one input token of a sequence
+    that no decode step takes (for a readmitted sequence, its last generated token)."""
+    model = nnx.merge(self.graphdef, state)
+    n, t = tokens.shape
+    budgets = None
+    if isinstance(attention, attn_lib.BlockSparse):
+      budgets = teacher_forced_budgets(self.schedule, t, n, table)
+    cache, logits, hidden = model.prefill(cache, tokens, lengths, slots, page_rows,
+                                          attention=attention, budgets=budgets,
+                                          prompt_lengths=prompt_lengths, lora=lora,
+                                          return_hidden=True)
+    tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks,
+                            max_top_k=max_top_k)
+    tk = self._topk(logits)
+    rec = ()
+    if det is not None:
+      hidden = hidden.astype(jnp.float32)
+      last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]  # [n]
+      valid = slots < self.config.num_slots  # padding rows have an out-of-range slot
+      rec = record_detection(empty_record(n, hidden.shape[-1]), last, lengths - 1, valid,
+                             hidden, quality_logits(det[0], hidden), det)
+    return cache, tok, lp, tk, rec
+
+  def _topk(self, logits):
+    k = self.config.logprobs_topk
+    if k:
+      return topk_logprobs(logits, k)
+    b = logits.shape[0]
+    return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
+
+  def _decode_local(self, max_top_k, state, cache, tokens, active, remaining, stop_ids, seeds,
+                    temps, top_ps, top_ks, table, lora, det=None):
+    """Up to `decode_chunk` steps. `det` (pruning) = (head_params, det_stop_ids [S],
+    prompt_len [B], det_end [B]): records the hidden state and head logit at the last stop
+    token in the detection window [prompt_len, det_end] and at the latest token in it.
+    Returns the final (token, active, remaining, tokens generated) too: the next chunk can
+    start from them before the host has read this one."""
+    model = nnx.merge(self.graphdef, state)
+    c, b, k = self.config.decode_chunk, tokens.shape[0], self.config.logprobs_topk
+    outs = (jnp.zeros((c, b), jnp.int32), jnp.zeros((c, b), jnp.float32),
+            jnp.zeros((c, b, k), jnp.int32), jnp.zeros((c, b, k), jnp.float32))
+    rec0 = empty_record(b, self.model_config.hidden_size) if det is not None else ()
+
+    # RoPE tables of the whole chunk, computed once outside the loop: an active slot's step j
+    # writes at position lengths + j (an inactive slot's outputs are discarded anyway).
+    pos = cache.lengths[None, :] + jnp.arange(c, dtype=jnp.int32)[:, None]  # [C, B]
+    mc = self.model_config
+    cos_t, sin_t = rope_tables(pos, mc.head_dim, mc.rope_theta)  # [C, B, Dh] x2
+
+    def cond(carry):
+      step, active = carry[0], carry[3]
+      return (step < c) & jnp.any(active)
+
+    def body(carry):
+      step, cache, tok, active, remaining, count, outs, rec = carry
+      budgets = None
+      if self.schedule is not None:
+        budgets = budget_pages(self.schedule, cache.lengths + 1, table)
+      pos = cache.lengths  # position of the input token
+      rope = (jax.lax.dynamic_index_in_dim(cos_t, step, 0, keepdims=False),
+              jax.lax.dynamic_index_in_dim(sin_t, step, 0, keepdims=False))
+      cache, logits, hidden = model.decode(cache, tok, active, attention=self.attention,
+                                           budgets=budgets, lora=lora, return_hidden=True,
+                                           rope=rope)
+      if det is not None:
+        hidden = hidden.astype(jnp.float32)
+        rec = record_detection(rec, tok, pos, active, hidden, quality_logits(det[0], hidden),
+                               det)
+      new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks,
+                                  max_top_k=max_top_k)
+      tk_ids, tk_lp = self._topk(logits)
+      row = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, step, 0)
+      outs = tuple(row(o, x) for o, x in zip(outs, (new_tok, lp, tk_ids, tk_lp)))
+      # Device-side finish: a stop id or the last allowed token ends the sequence now.
+      remaining = remaining - active.astype(jnp.int32)
+      count = count + active.astype(jnp.int32)
+      done = jnp.any(new_tok[:, None] == stop_ids, axis=-1) | (remaining <= 0)
+      new_tok = jnp.where(active, new_tok, tok)
+      return step + 1, cache, new_tok, active & ~done, remaining, count, outs, rec
+
+    init = (jnp.int32(0), cache, tokens, active, remaining, jnp.zeros_like(remaining), outs,
+            rec0)
+    steps, cache, tok, active, remaining, count, outs, rec = jax.lax.while_loop(cond, body,
+                                                                                init)
+    return cache, outs, steps[None], rec, (tok, active, remaining, count)
+
+  def _get_prefill(self, attention, max_top_k: int = 0, with_det: bool = False):
+    key = (attention, max_top_k, with_det)
+    if key not in self._prefill_fn:
+      def fn(state, cache, *args):
+        self.num_compilations += 1  # runs at trace time only
+        local = lambda st, ca, *a: self._prefill_local(attention, max_top_k, st, ca, *a)
+        rows = P(AXIS)
+        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
+                    P(), rows, P())
+        rec_specs = ()
+        if with_det:
+          in_specs += ((P(), P(), rows, rows),)
+          rec_specs = (rows,) * 6
+        out_specs = (self._cache_specs(), rows, rows, (rows, rows), rec_specs)
+        return self._shard(local, in_specs, out_specs)(state, cache, *args)
+      self._prefill_fn[key] = jax.jit(fn, donate_argnums=(1,))
+    return self._prefill_fn[key]
+
+  def _get_decode(self, with_det: bool = False, max_top_k: int = 0):
+    key = (self.attention, None if self.schedule is None
+           else (self.schedule.bin_size, self.schedule.num_bins), with_det, max_top_k)
+    if key not in self._decode_fn:
+      def fn(state, cache, *args):
+        self.num_compilations += 1
+        rows = P(AXIS)
+        cols = P(None, AXIS)
+        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
+                    P(), P())
+        rec_specs = ()
+        if with_det:
+          in_specs += ((P(), P(), rows, rows),)
+          rec_specs = (rows,) * 6
+        out_specs = (self._cache_specs(), (cols, cols, cols, cols), rows, rec_specs,
+                     (rows,) * 4)
+        local = lambda st, ca, *a: self._decode_local(max_top_k, st, ca, *a)
+        return self._shard(local, in_specs, out_specs)(state, cache, *args)
+      self._decode_fn[key] = jax.jit(fn, donate_argnums=(1,))
+    return self._decode_fn[key]
