@@ -24,13 +24,11 @@ run the XLA attention path here (the Pallas kernels compile only on a GPU).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -39,7 +37,6 @@ from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl import grpo
 from sparrow_jax.models import lora as lora_lib
-from sparrow_jax.run import memory as memory_lib
 from sparrow_jax.run import sharding as sh
 from sparrow_jax.run.builders import build_schedule, make_optimizer
 from sparrow_jax.run.config import TrainConfig

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.models import attention as attn_lib

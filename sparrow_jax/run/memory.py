@@ -407,7 +407,7 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   compute_dtype = compute_dtype or model_cfg.dtype
   cache_dtype = cache_dtype or compute_dtype
   cfg = model_cfg.replace(param_dtype=param_dtype, dtype=compute_dtype)
-  pb, ob, ab = _itemsize(param_dtype), _itemsize(opt_dtype), _itemsize(compute_dtype)
+  pb, ob = _itemsize(param_dtype), _itemsize(opt_dtype)
   if master_weights is None:
     master_weights = optimizer != "sgd" and pb < ob
   t = sizes["tensor"]
@@ -509,7 +509,6 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   lb_seq = logprob_seq_len or seq
   lb = -(-lb_rows // groups)
   phases: list[PhasePlan] = []
-  kv_held = 0 if release_kv_cache else None  # filled in once the pool is sized
   train_resident = opt_b + ref_b + lora_b
   if not skip_recompute:
     phases.append(PhasePlan(

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.rl import arrol as arrol_lib
-from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl.monitor import tempered_topk_logprobs
 from sparrow_jax.run import microbatch as mb_lib
