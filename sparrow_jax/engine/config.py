@@ -38,6 +38,11 @@ class EngineConfig:
   # Dispatch the next decode chunk before reading the previous one back when the scheduler
   # allows (nothing queued, pages for two chunks): the host work overlaps the device's.
   overlap_chunks: bool = True
+  # Tokens one prefill call may process per device (rows x padded length; vLLM's
+  # max_num_batched_tokens): admitted prompts beyond it are prefilled in further calls, so
+  # the prefill's activations stay bounded. 0: every admitted prompt in one call. One row
+  # always fits (a long readmission is never refused).
+  max_prefill_tokens: int = 0
 
   def __post_init__(self):
     for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk", "min_page_bucket",
@@ -59,6 +64,10 @@ class EngineConfig:
     f = self.kv_cache_memory_fraction
     if f is not None and not 0 < f <= 1:
       raise ValueError(f"EngineConfig.kv_cache_memory_fraction={f}: expected in (0, 1]")
+    if (not isinstance(self.max_prefill_tokens, int) or isinstance(self.max_prefill_tokens, bool)
+        or self.max_prefill_tokens < 0):
+      raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r}: expected "
+                       "an int >= 0 (0 = no limit)")
     if self.logprobs_topk < 0:
       raise ValueError(f"EngineConfig.logprobs_topk={self.logprobs_topk}: expected >= 0")
     if not 0 <= self.admission_watermark < 1:

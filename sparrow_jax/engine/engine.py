@@ -445,14 +445,38 @@ class GenerationEngine(DeviceSteps):
       # (and send them through the teacher-forced sparse path): it gets its own batch.
       for group in ([s for s in admitted if s.preemptions],
                     [s for s in admitted if not s.preemptions]):
-        if group:
-          self._prefill(run, group)
+        for part in self._prefill_batches(group):
+          self._prefill(run, part)
       if run.tracker is not None:  # a group's last member may have ended in its prefill
         self._prune(run)
     running = sched.running()
     if not running and sched.queue and not admitted:
       raise AssertionError("scheduler made no progress with an empty engine")
     return running
+
+  def _prefill_shape(self, seqs: list[SeqState]) -> tuple[int, int]:
+    """(rows per shard, padded length) of one prefill call over `seqs`."""
+    cfg = self.config
+    per_shard = collections.Counter(s.shard for s in seqs)
+    n = _next_pow2(max(per_shard.values()))
+    longest = max(s.context_len for s in seqs)
+    t = min(max(cfg.page_size, _next_pow2(longest)), cfg.max_pages_per_seq * cfg.page_size)
+    return n, t
+
+  def _prefill_batches(self, seqs: list[SeqState]) -> list[list[SeqState]]:
+    """`seqs` in admission order, cut into prefill calls of at most `max_prefill_tokens`
+    tokens per device (rows x padded length; at least one sequence per call)."""
+    limit = self.config.max_prefill_tokens
+    if not seqs or not limit:
+      return [seqs] if seqs else []
+    parts, cur = [], []
+    for s in seqs:
+      n, t = self._prefill_shape(cur + [s])
+      if cur and n * t > limit:
+        parts.append(cur)
+        cur = []
+      cur.append(s)
+    return parts + [cur]
 
   def _device_get(self, run: _Run, tree):
     """The one blocking read of a prefill or chunk (its wait is counted)."""
@@ -464,9 +488,7 @@ class GenerationEngine(DeviceSteps):
   def _prefill(self, run: _Run, admitted: list[SeqState]) -> None:
     cfg, d = self.config, self.num_shards
     by_shard = [[s for s in admitted if s.shard == k] for k in range(d)]
-    n = _next_pow2(max(len(b) for b in by_shard))
-    longest = max(s.context_len for s in admitted)
-    t = min(max(cfg.page_size, _next_pow2(longest)), cfg.max_pages_per_seq * cfg.page_size)
+    n, t = self._prefill_shape(admitted)
     width = t // cfg.page_size
     tokens = np.zeros((d * n, t), np.int32)
     lengths = np.ones((d * n,), np.int32)

@@ -32,7 +32,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sparrow_jax.engine.config import EngineConfig
+from sparrow_jax.engine.engine import GenerationEngine
+from sparrow_jax.engine.steps import AXIS
+from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.config import get_config
+from sparrow_jax.models.kv_cache import PagedKVCache
 from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl import grpo
@@ -42,6 +47,9 @@ from sparrow_jax.run.builders import build_schedule, make_optimizer
 from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.run.programs import build_programs
 from sparrow_jax.schedule.schedule import attention_spec
+
+
+GB = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +152,7 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
   def run(name, fn, args, rows, length):
     report(f"compiling {name} ({rows} x {length} tokens) ...")
     out[name] = _analyse(name, fn, args, f"{rows}x{length}")
-    report(f"  {name}: peak {out[name].peak / 1e9:.2f} GB per device "
+    report(f"  {name}: peak {out[name].peak / GB:.2f} GB per device "
            f"({out[name].compile_s:.1f} s)")
 
   r, l = worst_micro_batch(cfg, div, grad=False)
@@ -182,10 +190,110 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
   return out
 
 
+class _AbstractEngine(GenerationEngine):
+  """The trainer's engine with abstract parameters and an abstract KV pool: its own jitted
+  prefill / decode programs can be lowered and compiled, and nothing is allocated."""
+
+  def _place_state(self, state):
+    dt = jnp.dtype(self.model_config.dtype)
+    rep = NamedSharding(self.mesh, P())
+
+    def cast(x):
+      dtype = (dt if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dt.itemsize
+               else x.dtype)
+      return jax.ShapeDtypeStruct(x.shape, dtype, sharding=rep)
+    return jax.tree.map(cast, state)
+
+  def _create_pool(self):
+    mc, cfg, d = self.model_config, self.config, self.num_shards
+    pool = jax.eval_shape(lambda: PagedKVCache.create(
+        num_layers=mc.num_layers, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+        num_slots=d * cfg.num_slots, num_pages=d * self.pool_pages, max_pages_per_seq=1,
+        page_size=cfg.page_size, dtype=self.cache_dtype, landmark=self._landmark,
+        landmark_dtype=self._landmark_dtype))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), pool,
+                        self._cache_shardings())
+
+  def abstract_cache(self, width: int):
+    """The pool with a page table of `width` pages per slot (what a call is handed)."""
+    rows = self.num_shards * self.config.num_slots
+    table = jax.ShapeDtypeStruct((rows, width), jnp.int32,
+                                 sharding=NamedSharding(self.mesh, P(AXIS)))
+    return self._pool().replace(page_table=table)
+
+
+def rollout_phases(cfg: TrainConfig, mesh, plan, *,
+                   report: Callable[[str], None] = lambda m: None) -> dict[str, PhaseMemory]:
+  """Compile the engine's programs at the planned pool (`plan.kv_pool_pages` per device):
+  one decode chunk with every slot at the longest context, the prefill of a full batch of
+  fresh prompts (dense) and the prefill of one readmitted sequence at the longest context
+  (the sparse teacher-forced path under a sparse schedule). Attention on the XLA path."""
+  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
+  schedule = build_schedule(cfg)
+  max_len = cfg.max_prompt_len + cfg.max_new_tokens
+  attention = attention_spec(schedule, backend="xla", landmark_dtype=cfg.landmark_dtype)
+  ecfg = EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len, page_size=cfg.page_size,
+                      decode_chunk=cfg.decode_chunk, logprobs_topk=cfg.monitor_topk,
+                      max_prefill_tokens=cfg.max_prefill_tokens,
+                      num_pages=plan.kv_pool_pages)
+  eng = _AbstractEngine(model, ecfg, attention=attention,
+                        schedule=None if schedule.is_dense else schedule, mesh=mesh)
+  d, b = eng.num_shards, ecfg.num_slots
+  rows_sh = NamedSharding(eng.mesh, P(AXIS))
+  rep = NamedSharding(eng.mesh, P())
+  vec = lambda n, dt, *tail: jax.ShapeDtypeStruct((n, *tail), dt, sharding=rows_sh)
+  table = jax.ShapeDtypeStruct((1 if schedule.is_dense else len(schedule.budgets),),
+                               jnp.int32, sharding=rep)
+  # Sampling as the trainer's requests ask (top_k bounds the compiled sampler).
+  max_top_k = min(cfg.top_k, mcfg.vocab_size) if cfg.temperature > 0 else 0
+
+  def params(n):  # stop ids (decode only), seed words, temperature, top_p, top_k of n rows
+    return (vec(n, jnp.int32, 2), vec(n, jnp.uint32, 2), vec(n, jnp.float32),
+            vec(n, jnp.float32), vec(n, jnp.int32))
+
+  out: dict[str, PhaseMemory] = {}
+
+  def run(name, fn, args, shape):
+    report(f"compiling {name} ({shape}) ...")
+    out[name] = _analyse(name, fn, args, shape)
+    report(f"  {name}: peak {out[name].peak / GB:.2f} GB per device "
+           f"({out[name].compile_s:.1f} s)")
+
+  width = ecfg.max_pages_per_seq
+  n = d * b
+  decode = eng._get_decode(False, max_top_k)
+  run("rollout_decode", decode,
+      (eng.state, eng.abstract_cache(width), vec(n, jnp.int32), vec(n, jnp.bool_),
+       vec(n, jnp.int32), *params(n), table, None),
+      f"{b} slots x {width} pages, chunk {ecfg.decode_chunk}")
+
+  def prefill(name, attn, rows, t):
+    fn = eng._get_prefill(attn, max_top_k, False)
+    nr = d * rows
+    args = (eng.state, eng.abstract_cache(1), vec(nr, jnp.int32, t), vec(nr, jnp.int32),
+            vec(nr, jnp.int32), vec(nr, jnp.int32, t // ecfg.page_size), *params(nr)[1:], table,
+            vec(nr, jnp.int32), None)
+    return run(name, fn, args, f"{rows}x{t}")
+
+  cap = width * ecfg.page_size
+  t_prompt = min(max(ecfg.page_size, 1 << max(0, (cfg.max_prompt_len - 1).bit_length())), cap)
+  rows = b  # the admitted prompts one prefill call takes (max_prefill_tokens bounds them)
+  if cfg.max_prefill_tokens:
+    rows = min(b, max(1, 1 << ((cfg.max_prefill_tokens // t_prompt).bit_length() - 1)))
+  prefill("rollout_prefill", attn_lib.Dense(), rows, t_prompt)
+  if cap > t_prompt:
+    prefill("rollout_readmit", attention, 1, cap)
+  return out
+
+
 def all_phases(cfg: TrainConfig, mesh, *, plan=None,
                report: Callable[[str], None] = lambda m: None) -> dict[str, PhaseMemory]:
-  """Every program of one step that `cfg` enables (training side; see `training_phases`)."""
-  return training_phases(cfg, mesh, report=report)
+  """Every program of one step that `cfg` enables: the rollout's (with `plan`: its pool)
+  and the training side's (see `rollout_phases`, `training_phases`)."""
+  out = rollout_phases(cfg, mesh, plan, report=report) if plan is not None else {}
+  out.update(training_phases(cfg, mesh, report=report))
+  return out
 
 
 def check_devices(num_devices: int) -> list:

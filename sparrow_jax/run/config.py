@@ -63,6 +63,9 @@ class TrainConfig:
   attention_backend: str = "auto"
   num_slots: int = 64  # concurrent sequences per device (each device runs its own engine shard)
   decode_chunk: int = 16
+  # Tokens one prefill call may process per device (rows x padded length; vLLM's
+  # max_num_batched_tokens); 0 = every admitted prompt at once. Bounds the prefill's memory.
+  max_prefill_tokens: int = 0
   kv_cache_gb: float = 0.0  # KV pool per device; 0 = from the memory plan (kv_cache_fraction)
   kv_cache_fraction: float = 0.9  # of the device memory the plan leaves after everything else
   # optimisation (dense policy)
@@ -204,6 +207,9 @@ class TrainConfig:
     if self.kv_cache_gb < 0:
       raise ValueError(f"kv_cache_gb={self.kv_cache_gb}: expected >= 0 (0 = from the memory "
                        "plan)")
+    if self.max_prefill_tokens < 0:
+      raise ValueError(f"max_prefill_tokens={self.max_prefill_tokens}: expected >= 0 "
+                       "(0 = no limit)")
     if not 0 < self.kv_cache_fraction <= 1:
       raise ValueError(f"kv_cache_fraction={self.kv_cache_fraction}: expected in (0, 1]")
     if not 0 < self.top_p <= 1:
@@ -306,7 +312,15 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
             lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
             reward="math_verify", mini_batch_size=64, micro_batch_size=2, remat=True,
             tis_cap=2.0, num_steps=500, device_memory_gb=141.0,
-            save_every=20, monitor_topk=20, mismatch_bin_size=2048, tau=0.86)
+            save_every=20, monitor_topk=20, mismatch_bin_size=2048, tau=0.86,
+            # 16 prompts of 2K tokens per prefill call: a bounded prefill (the pool gets the
+            # rest) that still fills the GPU.
+            max_prefill_tokens=32768,
+            # The pool takes 80% of what the rollout phase leaves (not 90%): the margin holds
+            # the XLA decode path too (attention_backend=xla gathers the selected pages), so
+            # the step XLA compiles for these shapes (--dry-run --compile) fits with >= 5%
+            # headroom, and on the GPU it covers library workspaces.
+            kv_cache_fraction=0.8)
 
 PRESETS: dict[str, TrainConfig] = {
     # The embedded default: random-init tiny Qwen3 + byte tokenizer, a supervised warm start

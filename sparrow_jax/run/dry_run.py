@@ -41,9 +41,34 @@ def _rows_and_len(cfg: TrainConfig, budget: int, rows: int, groups: int) -> tupl
   return rows, seq
 
 
+def decode_backend(cfg: TrainConfig) -> str:
+  """The decode attention the plan models: "xla" when the config names it, or when `auto`
+  resolves to it (no GPU/TPU: this machine, unless `device_memory_gb` names a GPU target);
+  else the Pallas kernels."""
+  if cfg.attention_backend == "xla":
+    return "xla"
+  if cfg.attention_backend != "auto" or cfg.device_memory_gb:
+    return "pallas"
+  import jax
+  return "pallas" if jax.default_backend() in ("gpu", "tpu") else "xla"
+
+
+def decode_pages(cfg: TrainConfig) -> int | None:
+  """Pages one sparse decode step reads per sequence (None: a dense schedule)."""
+  if cfg.schedule == "dense":
+    return None
+  from sparrow_jax.run.builders import build_schedule
+  from sparrow_jax.schedule.schedule import attention_spec
+  spec = attention_spec(build_schedule(cfg), backend="xla")
+  return spec.max_budget + spec.reserved_bos + spec.reserved_recent
+
+
 def plan_for_model(cfg: TrainConfig, mcfg, num_devices: int, *,
                    mean_response_len: int | None = None, device_bytes: float | None = None,
-                   activation_dtype: str | None = None):
+                   activation_dtype: str | None = None, backend: str | None = None,
+                   kv_pool_pages: int | None = None):
+  """`kv_pool_pages`: plan with this pool (pages per device) instead of sizing one (the
+  compile report compares programs compiled at the real plan's pool)."""
   seq = cfg.max_prompt_len + cfg.max_new_tokens
   targets = tuple(t for t in cfg.lora_targets.split(",") if t) if cfg.distill else ()
   mean_resp = mean_response_len or max(cfg.max_new_tokens // 2, 1)
@@ -64,14 +89,17 @@ def plan_for_model(cfg: TrainConfig, mcfg, num_devices: int, *,
       landmark_dtype=cfg.landmark_dtype,
       device_bytes=(device_bytes if device_bytes is not None else
                     cfg.device_memory_gb * 1e9 or device_memory_bytes()[0]),
-      kv_cache_bytes=int(cfg.kv_cache_gb * 1e9) if cfg.kv_cache_gb else None,
+      kv_cache_bytes=(int(cfg.kv_cache_gb * 1e9) if cfg.kv_cache_gb and kv_pool_pages is None
+                      else None),
+      kv_cache_pages=kv_pool_pages,
       kv_cache_fraction=cfg.kv_cache_fraction,
       mean_context_len=min(cfg.max_prompt_len, seq) + mean_resp,
       logprob_micro_batch=lp_rows, logprob_seq_len=lp_len, logprob_topk=cfg.monitor_topk,
       skip_recompute=cfg.skips_recompute, distill=cfg.distill,
       release_kv_cache=cfg.release_kv_cache, prefill_len=cfg.max_prompt_len,
       probe=bool(cfg.ladder.strip()),
-      activation_dtype=activation_dtype)
+      activation_dtype=activation_dtype, decode_backend=backend or decode_backend(cfg),
+      decode_pages=decode_pages(cfg), max_prefill_tokens=cfg.max_prefill_tokens)
 
 
 def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
@@ -126,7 +154,8 @@ def _compile_report(cfg: TrainConfig, num_devices: int, plan, phases: dict, out)
   # XLA:CPU computes bf16 dots in float32: compare with a plan that holds activations so.
   cpu = plan_for_model(cfg, get_config(cfg.model, dtype=cfg.dtype,
                                        param_dtype=cfg.param_dtype), num_devices,
-                       activation_dtype="float32")
+                       activation_dtype="float32", backend="xla",
+                       kv_pool_pages=plan.kv_pool_pages)
   say = lambda m: print(m, file=out, flush=True)
   compiled = compile_plan.all_phases(cfg, mesh, plan=plan, report=say)
   say(f"compiled programs on {num_devices} {mesh.devices.flat[0].platform} device(s) "

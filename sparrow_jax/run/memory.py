@@ -85,6 +85,14 @@ _RHO_FWD, _RHO_BWD, _SIGMA_NO_REMAT = 0.2, 0.8, 1.7
 _ATTN_FWD, _ATTN_BWD = 2.0, 4.0
 _LOGITS_FWD, _LOGITS_BWD = 3.0, 4.0
 _APPLY = 1.39
+# Rollout (engine) programs, fitted to XLA's analysis of the Qwen3-1.7B prefill / readmission
+# / decode at the flagship pool: a prefill holds about 1.5 layers' per-token activations; a
+# decode step on the XLA attention path gathers every slot's selected K/V pages and its
+# page landmarks (float32 after XLA:CPU's upcast) and holds about 4 such copies. The Pallas
+# kernels read pages in place: only the landmark gather and its scores remain.
+_RHO_PREFILL = 1.48
+_DECODE_XLA = 4.0
+DECODE_BACKENDS = ("xla", "pallas")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 _MOMENTS = {"adamw": 2, "adam": 2, "sgd": 0}
 
@@ -258,7 +266,8 @@ class MemoryPlan:
     parts = ", ".join(f"{i.name} {i.per_device / GB:.2f} GB" for i in top)
     peak = self.peak_phase
     knobs = {"rollout_decode": "num_slots=, kv_cache_fraction= or a shorter context",
-             "rollout_prefill": "num_slots= or max_prompt_len=",
+             "rollout_prefill": "max_prefill_tokens= (tokens per prefill call), num_slots=",
+             "rollout_readmit": "a shorter context (max_new_tokens=)",
              "update": "max_tokens_per_micro_batch= / micro_batch_size=, remat=true",
              "distill": "max_tokens_per_micro_batch= / micro_batch_size=",
              "recompute": "logprob_max_tokens_per_micro_batch= / logprob_micro_batch_size=",
@@ -362,7 +371,10 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                 skip_recompute: bool = False, distill: bool = True,
                 release_kv_cache: bool = True, prefill_len: int | None = None,
                 probe: bool = False,
-                activation_dtype: str | None = None) -> MemoryPlan:
+                activation_dtype: str | None = None, decode_backend: str = "pallas",
+                decode_pages: int | None = None,
+                kv_cache_pages: int | None = None,
+                max_prefill_tokens: int = 0) -> MemoryPlan:
   """Per-device memory plan (see the module docstring for what each row counts).
 
   `mesh_cfg` may hold a -1 axis when `num_devices` is given; `param_dtype`, `compute_dtype`
@@ -370,7 +382,15 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   defaults to "param_dtype narrower than opt_dtype". `activation_dtype` (default the compute
   dtype) is the dtype activations are held in: "float32" models XLA:CPU, which computes bf16
   dots in float32 (`train.py --dry-run --compile` compares against such a compile).
+  `decode_backend`: the decode attention that runs ("pallas": the kernels read K/V pages in
+  place; "xla": selected pages are gathered); `decode_pages`: pages a sparse decode step
+  reads per sequence (max budget + reserved pages; None: dense, every page);
+  `kv_cache_pages`: a pool of this many pages per device instead of one sized to memory;
+  `max_prefill_tokens`: the engine's per-call prefill limit (0: every slot at once).
   """
+  if decode_backend not in DECODE_BACKENDS:
+    raise ValueError(f"plan_memory decode_backend={decode_backend!r}: expected one of "
+                     f"{DECODE_BACKENDS}")
   if not isinstance(mesh_cfg, sh.MeshConfig):
     mesh_cfg = sh.parse_mesh(mesh_cfg)
   if num_devices is None:
@@ -547,10 +567,24 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   rollout_resident = p_dev + train_resident
   # A prefill runs the admitted prompts together, or one readmitted sequence alone.
   prompt = min(prefill_len or context_len, context_len)
-  prefill_tokens = max(batch_slots * prompt, context_len)
-  prefill_ws = int(_RHO_FWD * prefill_tokens * e_layer * a + batch_slots * 3 * v_d * 4)
-  decode_ws = batch_slots * (3 * v_d * 4 + 8 * d * 4)
-  rollout_ws = rollout_params + tables + max(prefill_ws, decode_ws)
+  prefill_rows = batch_slots
+  if max_prefill_tokens:  # (the engine pads rows to a power of two within the limit)
+    prefill_rows = min(batch_slots,
+                       max(1, 1 << ((max_prefill_tokens // prompt).bit_length() - 1)))
+  prefill_tokens = prefill_rows * prompt
+  prefill_ws = int(_RHO_PREFILL * prefill_tokens * e_layer * a + batch_slots * 3 * v_d * 4)
+  readmit_ws = int(_RHO_PREFILL * context_len * e_layer * a + 3 * v_d * 4)
+  # One decode step per slot: sampling rows, plus the sparse layers' page selection and, on
+  # the XLA path, the gathered pages (dense layers walk 16-page blocks: small).
+  kv_row = kh * cfg.head_dim * 4  # one token's (or landmark's) K or V row, float32
+  sparse = landmark != "none"
+  lm_gather = 2 * max_pages * kv_row if sparse else 0
+  read_pages = min(decode_pages or max_pages, max_pages) if sparse else 16
+  kv_gather = 2 * read_pages * page_size * kv_row if decode_backend == "xla" else 0
+  decode_ws = int(batch_slots * (3 * v_d * 4 + 8 * d * 4
+                                 + (_DECODE_XLA if decode_backend == "xla" else 1.0)
+                                 * (lm_gather + kv_gather)))
+  rollout_ws = rollout_params + tables + max(prefill_ws, readmit_ws, decode_ws)
   usable = device_bytes * usable_fraction
   left_rollout = usable - rollout_resident - rollout_ws
   # Held through training too (release_kv_cache=false): the pool must also fit beside the
@@ -560,12 +594,16 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   left = left_rollout if release_kv_cache else left_held
 
   def pages_for_left(room):
+    if kv_cache_pages is not None:
+      return int(kv_cache_pages)
     if kv_cache_bytes is not None:
       return min(int(kv_cache_bytes) // per_page, cap)
     return min(int(max(room, 0.0) * kv_cache_fraction) // per_page, cap)
 
   pool_pages = pages_for_left(left)
-  if kv_cache_bytes is not None:
+  if kv_cache_pages is not None:
+    how = "a given pool size"
+  elif kv_cache_bytes is not None:
     how = f"kv_cache_bytes={kv_cache_bytes / GB:.2f} GB"
   else:
     how = (f"{kv_cache_fraction:.0%} of the {max(left, 0.0) / GB:.2f} GB the "
@@ -593,8 +631,10 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
                              rollout_resident, "decode steps: engine weights + KV pool"))
   phases.insert(1, PhasePlan("rollout_prefill", rollout_params + pool + tables + prefill_ws,
                              rollout_resident,
-                             f"prefill: {prefill_tokens} tokens (admitted prompts or a "
-                             "readmission)"))
+                             f"prefill: {prefill_rows} admitted prompts x {prompt} tokens"))
+  phases.insert(2, PhasePlan("rollout_readmit", rollout_params + pool + tables + readmit_ws,
+                             rollout_resident,
+                             f"prefill of one readmitted sequence at {context_len} tokens"))
   if not release_kv_cache:
     phases = [ph if ph.name.startswith("rollout") else
               dataclasses.replace(ph, resident=ph.resident + pool + tables,

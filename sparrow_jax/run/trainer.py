@@ -134,6 +134,7 @@ class Trainer:
     self.engine = GenerationEngine(
         model, EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len,
                             page_size=cfg.page_size, decode_chunk=cfg.decode_chunk,
+                            max_prefill_tokens=cfg.max_prefill_tokens,
                             logprobs_topk=cfg.monitor_topk,
                             kv_cache_bytes=self.memory_plan.kv_cache_bytes),
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,

@@ -73,6 +73,28 @@ def test_preempted_requests_match_a_pool_that_fits_everyone(sharp_model, attenti
                for a, d in zip(ref, dense.generate(reqs)))
 
 
+def test_prefill_token_limit_splits_calls_and_changes_no_output(sharp_model, monkeypatch):
+  """`max_prefill_tokens` (vLLM's max_num_batched_tokens): admitted prompts are prefilled in
+  calls of at most that many tokens (rows x padded length); the completions are the same."""
+  reqs = _requests(1.0)
+  make = lambda **kw: GenerationEngine(sharp_model, EngineConfig(
+      num_slots=8, max_seq_len=64, page_size=PAGE, decode_chunk=4, **kw), attention=SPARSE)
+  whole, split = make(), make(max_prefill_tokens=64)
+  shapes = []
+  orig = split._prefill
+  monkeypatch.setattr(split, "_prefill", lambda run, seqs: (
+      shapes.append(split._prefill_shape(seqs)), orig(run, seqs))[1])
+  ref, out = whole.generate(reqs), split.generate(reqs)
+  assert whole.last_stats["prefills"] == 1
+  assert len(shapes) == split.last_stats["prefills"] > 1
+  assert all(n * t <= 64 for n, t in shapes) and sum(n for n, _ in shapes) >= len(reqs)
+  for a, b in zip(ref, out):
+    np.testing.assert_array_equal(b.token_ids, a.token_ids)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-4)
+  with pytest.raises(ValueError, match="max_prefill_tokens=-1"):
+    EngineConfig(max_prefill_tokens=-1)
+
+
 def test_request_that_can_never_fit_is_refused_before_any_work(sharp_model):
   eng = GenerationEngine(sharp_model, EngineConfig(num_slots=2, max_seq_len=64, page_size=PAGE,
                                                    num_pages=8))

@@ -142,7 +142,7 @@ def test_kv_pool_is_sized_from_what_is_left_in_whole_pages():
   assert plan.kv_cache_bytes == 5 * per_page
   # From memory: kv_cache_fraction of what the rollout phase leaves of the usable memory
   # (the training state stays, the engine's weights and one step's work come on top).
-  dev = 6e6  # leaves room for ~33 pages: below the cap, above one sequence
+  dev = 11e6  # leaves room for ~36 pages: below the cap, above one sequence
   plan = M.plan_memory(cfg, "1x1x1", device_bytes=dev, kv_cache_fraction=0.1, **kw)
   decode = plan.phase("rollout_decode")
   assert plan.pool_room < 0.9 * dev - decode.resident
@@ -211,10 +211,17 @@ def test_qwen3_14b_on_32_devices_fits_quickly():
   plan = M.plan_memory(get_config("qwen3_14b"), "fsdp=-1", num_devices=32, batch_slots=256,
                        context_len=8192, train_micro_batch=32, train_seq_len=8192,
                        param_dtype="bfloat16", compute_dtype="bfloat16", lora_rank=64,
-                       lora_targets=M.LORA_TARGETS)
+                       lora_targets=M.LORA_TARGETS, max_prefill_tokens=32768)
   elapsed = time.perf_counter() - t0
   assert elapsed < 10.0, elapsed
   assert plan.fits and plan.headroom > 0
+  # Prefilling all 256 slots' prompts in one call would not (2M tokens of activations).
+  whole = M.plan_memory(get_config("qwen3_14b"), "fsdp=-1", num_devices=32, batch_slots=256,
+                        context_len=8192, train_micro_batch=32, train_seq_len=8192,
+                        param_dtype="bfloat16", compute_dtype="bfloat16", lora_rank=64,
+                        lora_targets=M.LORA_TARGETS)
+  assert not whole.fits and whole.peak_phase.name == "rollout_prefill"
+  assert "max_prefill_tokens=" in whole.message()
   assert plan.mesh.shape == (1, 32, 1) and plan.num_devices == 32
   table = plan.format_table()
   for row in ("params", "grads", "optimizer", "lora", "kv_cache", "activations",

@@ -102,17 +102,26 @@ def test_update_under_a_token_budget_equals_one_piece(pair):
 
 
 def test_recompute_skip_gives_the_update_of_the_recompute(tmp_path):
-  skip = _trainer(tmp_path / "skip", "distill=false", "num_steps=1")
-  full = _trainer(tmp_path / "full", "distill=false", "num_steps=1",
-                  "skip_redundant_recompute=false")
+  """Also the KV pool: `skip` frees it while it trains (the default) and rebuilds it for the
+  next rollout, `full` keeps it (release_kv_cache=false); step 2 rolls out from the rebuilt
+  pool and both give the same rollouts and updates."""
+  skip = _trainer(tmp_path / "skip", "distill=false", "num_steps=2")
+  full = _trainer(tmp_path / "full", "distill=false", "num_steps=2",
+                  "skip_redundant_recompute=false", "release_kv_cache=false")
   assert skip.programs.skip_recompute and not full.programs.skip_recompute
-  a, b = skip.train_step(), full.train_step()
-  assert a["recompute/skipped"] == 1.0 and b["recompute/skipped"] == 0.0
-  for k in ("reward/mean", "response/len_mean", "rollout/tokens"):
-    assert a[k] == b[k]  # the same rollouts
-  for k in ("loss/total", "loss/policy", "grad_norm", "mismatch/p5_overall",
-            "mismatch/tokens"):
-    np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6)
+  pool = full.engine.kv_pool_bytes
+  assert pool == skip.engine.kv_pool_bytes > 0
+  for _ in range(2):
+    a, b = skip.train_step(), full.train_step()
+    assert skip.engine.kv_pool_bytes == 0 and full.engine.kv_pool_bytes == pool
+    assert a["recompute/skipped"] == 1.0 and b["recompute/skipped"] == 0.0
+    for k in ("reward/mean", "response/len_mean", "rollout/tokens"):
+      assert a[k] == b[k]  # the same rollouts
+    assert ([list(c.token_ids) for c in skip.last_rollout[1]]
+            == [list(c.token_ids) for c in full.last_rollout[1]])
+    for k in ("loss/total", "loss/policy", "grad_norm", "mismatch/p5_overall",
+              "mismatch/tokens"):
+      np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-6)
   for x, y in zip(_leaves(skip.params), _leaves(full.params), strict=True):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
   # Not skipped where something needs the old log-probs first.
