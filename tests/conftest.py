@@ -13,7 +13,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # identical HLO). A persistent compilation cache for the session turns those into cache hits.
 import tempfile  # noqa: E402
 
-_CACHE = os.environ.get("SPARROW_TEST_JAX_CACHE") or tempfile.mkdtemp(prefix="sparrow_jax_cache_")
+# xdist workers of one run share it (PYTEST_XDIST_TESTRUNUID is common to them).
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+_CACHE = (os.environ.get("SPARROW_TEST_JAX_CACHE")
+          or (os.path.join(tempfile.gettempdir(), f"sparrow_jax_cache_{_RUN}") if _RUN
+              else tempfile.mkdtemp(prefix="sparrow_jax_cache_")))
+os.makedirs(_CACHE, exist_ok=True)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

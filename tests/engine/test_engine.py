@@ -23,11 +23,30 @@ def _prompts(lengths, seed=0):
   return [list(rng.integers(3, CFG.vocab_size, n)) for n in lengths]
 
 
+_PAD_LEN = 64  # references run at one padded length: one compile (causal: padding after a
+# position does not change it)
+
+
+@jax.jit  # (graphdef: a static pytree node; state: the weights)
+def _padded_forward(graphdef, state, toks):
+  from flax import nnx
+  return nnx.merge(graphdef, state)(toks)
+
+
+def _full_logits(model, toks):
+  """Logits [len(toks), V] of one sequence (a full forward, no cache)."""
+  from flax import nnx
+  assert len(toks) <= _PAD_LEN
+  padded = np.zeros((1, _PAD_LEN), np.int32)
+  padded[0, :len(toks)] = toks
+  # (sliced on the host: an eager slice per length would compile once per length)
+  return np.asarray(_padded_forward(*nnx.split(model), jnp.asarray(padded)))[0, :len(toks)]
+
+
 def _greedy_reference(model, prompt, n):
-  fwd = jax.jit(lambda t: model(t))
   toks = list(prompt)
   for _ in range(n):
-    toks.append(int(jnp.argmax(fwd(jnp.asarray([toks], jnp.int32))[0, -1])))
+    toks.append(int(np.argmax(_full_logits(model, toks)[-1])))
   return toks[len(prompt):]
 
 
@@ -40,9 +59,11 @@ def test_greedy_matches_full_recompute_and_batching(model):
     assert out.finish_reason == "length"
     assert list(out.token_ids) == _greedy_reference(model, p, 12)
     # log-prob of greedy tokens = log-softmax of the full forward at that position
-    full = model(jnp.asarray([p + list(out.token_ids)], jnp.int32))[0]
-    ref_lp = jax.nn.log_softmax(full[len(p) - 1:-1], axis=-1)
-    ref_lp = np.take_along_axis(np.asarray(ref_lp), out.token_ids[:, None], axis=1)[:, 0]
+    full = _full_logits(model, p + list(out.token_ids))
+    rows = full[len(p) - 1:-1].astype(np.float64)
+    ref_lp = rows - np.log(np.exp(rows - rows.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+        - rows.max(-1, keepdims=True)
+    ref_lp = np.take_along_axis(ref_lp, out.token_ids[:, None], axis=1)[:, 0]
     np.testing.assert_allclose(out.logprobs, ref_lp, atol=1e-4)
 
 
