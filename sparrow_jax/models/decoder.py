@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparrow_jax.models import attention as attn_lib
+from sparrow_jax.models.sharding_hints import constrain_batch
 from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.models.kv_cache import PagedKVCache
 
@@ -236,7 +237,7 @@ class Decoder(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
-    x = self.embed(tokens)
+    x = constrain_batch(self.embed(tokens))
     for group in self._layer_groups(attention):
 
       def block(layer_state, x, ll, i=group[0], graphdef=nnx.graphdef(self.layers[group[0]])):
@@ -246,8 +247,8 @@ class Decoder(nnx.Module):
         o = attn_lib.full_sequence_attention(
             attention, i, q, k, v, lengths=lengths, budgets=budgets,
             prompt_lengths=prompt_lengths)
-        x = x + layer.attn.out(o, ll)
-        return x + layer.mlp(layer.post_attn_norm(x), ll)
+        x = constrain_batch(x + layer.attn.out(o, ll))
+        return constrain_batch(x + layer.mlp(layer.post_attn_norm(x), ll))
 
       fn = jax.checkpoint(block) if remat else block
       if len(group) == 1:

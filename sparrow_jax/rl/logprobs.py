@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.models.sharding_hints import constrain_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: i
   @jax.checkpoint
   def one(args):
     hc, tc = args  # [B, C, D], [B, C]
-    logits = model.logits(hc)  # [B, C, V] float32
+    logits = constrain_batch(model.logits(hc))  # [B, C, V] float32
     if temperature != 1.0:
       logits = logits / temperature
     lp = jax.nn.log_softmax(logits, axis=-1)  # [B, C, V]

@@ -132,7 +132,7 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
     lora_opt = _abstract(lopt_abs, sh.opt_state_shardings(lopt_abs, lshard, mesh, lora_abs))
   progs = build_programs(graphdef, cfg, loss_cfg=loss_cfg, tx=tx, temperature=temperature,
                          skip_recompute=cfg.skips_recompute, attention=attention,
-                         lora_tx=lora_tx, dcfg=dcfg)
+                         lora_tx=lora_tx, dcfg=dcfg, mesh=mesh, batch_axes=sh.BATCH_AXES)
   div = sh.batch_divisor(mesh)
   rows_sh = NamedSharding(mesh, P(sh.BATCH_AXES))
   rep = NamedSharding(mesh, P())

@@ -311,6 +311,9 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
             max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=64,
             lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
             reward="math_verify", mini_batch_size=64, micro_batch_size=2, remat=True,
+            # Micro-batches by tokens per device (verl's ppo_max_token_len_per_gpu): two
+            # sequences at the longest context, more when they are shorter, on any mesh.
+            max_tokens_per_micro_batch=69632,
             tis_cap=2.0, num_steps=500, device_memory_gb=141.0,
             save_every=20, monitor_topk=20, mismatch_bin_size=2048, tau=0.86,
             # 16 prompts of 2K tokens per prefill call: a bounded prefill (the pool gets the

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from sparrow_jax.models.sharding_hints import hinted
 from sparrow_jax.models.lora import lora_norms
 from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl import grpo
@@ -65,7 +66,7 @@ def _zeros(tree):
 
 
 def make_logprobs(graphdef, *, chunk: int, temperature: float, topk: int,
-                  count: Callable[[], None] = lambda: None):
+                  count: Callable[[], None] = lambda: None, hints=(None, ())):
   """The no-grad recompute of one micro-batch: {"logp"} (+ {"topk_ids", "topk_logp"})."""
 
   def fn(params, mb):
@@ -77,12 +78,12 @@ def make_logprobs(graphdef, *, chunk: int, temperature: float, topk: int,
       out.update(topk_ids=st.topk_ids, topk_logp=st.topk_logp)  # [R, L, k]
     return out
 
-  return jax.jit(fn)
+  return jax.jit(hinted(fn, *hints))
 
 
 def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, temperature: float,
                    remat: bool, with_entropy: bool, skip_recompute: bool, topk: int,
-                   count: Callable[[], None] = lambda: None):
+                   count: Callable[[], None] = lambda: None, hints=(None, ())):
   """One micro-batch of the GRPO loss; see the module docstring."""
 
   def loss_fn(params, mb, den):
@@ -112,15 +113,15 @@ def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, tempe
     n_in = jnp.sum(mb["mask"].astype(jnp.float32))  # the input mask's tokens
     return acc, loss, metrics, n_in, aux
 
-  return jax.jit(fn, donate_argnums=(1,))
+  return jax.jit(hinted(fn, *hints), donate_argnums=(1,))
 
 
-def make_apply(tx, count: Callable[[], None] = lambda: None):
+def make_apply(tx, count: Callable[[], None] = lambda: None, hints=(None, ())):
   def fn(params, opt_state, grads, loss):
     count()
     return guarded_apply(tx, params, opt_state, grads, loss)
 
-  return jax.jit(fn, donate_argnums=(0, 1))
+  return jax.jit(hinted(fn, *hints), donate_argnums=(0, 1))
 
 
 def make_zeros():
@@ -132,7 +133,7 @@ def make_zeros():
 # --- DistillSparse ---------------------------------------------------------------------------
 
 def make_distill_grad(graphdef, attention, dcfg: distill_lib.DistillConfig,
-                      count: Callable[[], None] = lambda: None):
+                      count: Callable[[], None] = lambda: None, hints=(None, ())):
   """DistillSparse's gradient of one micro-batch w.r.t. the LoRA only; `den` carries the
   step batch's token count so micro-batch losses sum to the one-piece loss."""
 
@@ -152,17 +153,17 @@ def make_distill_grad(graphdef, attention, dcfg: distill_lib.DistillConfig,
     (loss, metrics), grads = grad_fn(lora, params, mb, den)
     return jax.tree.map(jnp.add, acc, grads), loss, metrics
 
-  return jax.jit(fn, donate_argnums=(1,))
+  return jax.jit(hinted(fn, *hints), donate_argnums=(1,))
 
 
-def make_distill_apply(tx, count: Callable[[], None] = lambda: None):
+def make_distill_apply(tx, count: Callable[[], None] = lambda: None, hints=(None, ())):
   def fn(lora, opt_state, grads, loss):
     count()
     new_lora, new_opt, ok, gnorm = guarded_apply(tx, lora, opt_state, grads, loss)
     metrics = dict(grad_norm=gnorm, skipped=(~ok).astype(jnp.float32), **lora_norms(new_lora))
     return new_lora, new_opt, metrics
 
-  return jax.jit(fn, donate_argnums=(0, 1))
+  return jax.jit(hinted(fn, *hints), donate_argnums=(0, 1))
 
 
 @dataclasses.dataclass
@@ -182,21 +183,26 @@ class Programs:
 
 def build_programs(graphdef, cfg, *, loss_cfg: grpo.GRPOLossConfig, tx, temperature: float,
                    skip_recompute: bool, attention=None, lora_tx=None,
-                   dcfg: distill_lib.DistillConfig | None = None) -> Programs:
-  """All programs of a `TrainConfig` (`attention`, `lora_tx`, `dcfg`: DistillSparse's)."""
+                   dcfg: distill_lib.DistillConfig | None = None, mesh=None,
+                   batch_axes: tuple[str, ...] = ()) -> Programs:
+  """All programs of a `TrainConfig` (`attention`, `lora_tx`, `dcfg`: DistillSparse's).
+  `mesh`, `batch_axes`: the programs trace under `sharding_hints.batch_sharding`, so the
+  model keeps its activations batch-sharded (FSDP all-gathers the weights instead)."""
   count = Counter()
+  hints = (mesh, tuple(batch_axes))
   chunk, topk = cfg.logprob_chunk, cfg.monitor_topk
   progs = Programs(
       logprobs=make_logprobs(graphdef, chunk=chunk, temperature=temperature, topk=topk,
-                             count=count),
+                             count=count, hints=hints),
       ref_logprobs=make_logprobs(graphdef, chunk=chunk, temperature=temperature, topk=0,
-                                 count=count),
+                                 count=count, hints=hints),
       grad_step=make_grad_step(graphdef, loss_cfg, chunk=chunk, temperature=temperature,
                                remat=cfg.remat, with_entropy=cfg.entropy_coeff > 0,
-                               skip_recompute=skip_recompute, topk=topk, count=count),
-      apply=make_apply(tx, count), zeros=make_zeros(), count=count,
+                               skip_recompute=skip_recompute, topk=topk, count=count,
+                               hints=hints),
+      apply=make_apply(tx, count, hints=hints), zeros=make_zeros(), count=count,
       skip_recompute=skip_recompute)
   if dcfg is not None:
-    progs.distill_grad = make_distill_grad(graphdef, attention, dcfg, count)
-    progs.distill_apply = make_distill_apply(lora_tx, count)
+    progs.distill_grad = make_distill_grad(graphdef, attention, dcfg, count, hints=hints)
+    progs.distill_apply = make_distill_apply(lora_tx, count, hints=hints)
   return progs

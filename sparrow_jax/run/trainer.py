@@ -250,7 +250,8 @@ class Trainer:
     self.programs = build_programs(
         self.graphdef, cfg, loss_cfg=self.loss_cfg, tx=self.tx, temperature=self.temperature,
         skip_recompute=cfg.skips_recompute, attention=self.attention,
-        lora_tx=getattr(self, "lora_tx", None), dcfg=dcfg)
+        lora_tx=getattr(self, "lora_tx", None), dcfg=dcfg, mesh=self.mesh,
+        batch_axes=sh.BATCH_AXES)
     if count is not None:  # a schedule switch rebuilds the programs: keep counting
       self.programs.count = count
 

@@ -53,7 +53,21 @@ def main(out_dir):
   p2 = jax.tree.leaves(jax.device_get(sharded.params))
   p3 = jax.tree.leaves(jax.device_get(micro.params))
   q = sharded.params["layers"][0]["attn"]["q_DNH"].value
+  # The programs trace with activation sharding hints: the lowered forward carries a batch
+  # sharding constraint at every layer boundary (none without the hints).
+  from flax import nnx
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from sparrow_jax.models.sharding_hints import batch_sharding
+  from sparrow_jax.run.sharding import BATCH_AXES
+  toks = jax.device_put(np.asarray(batch["tokens"]), NamedSharding(sharded.mesh, P(BATCH_AXES)))
+  fwd = lambda st, t: nnx.merge(sharded.graphdef, st).hidden_states(t)
+  count = lambda txt: txt.count("@Sharding") + txt.count("sdy.sharding_constraint")
+  plain = count(jax.jit(fwd).lower(sharded.params, toks).as_text())
+  with batch_sharding(sharded.mesh, BATCH_AXES):
+    hinted = count(jax.jit(fwd).lower(sharded.params, toks).as_text())
   print(json.dumps({
+      "hint_constraints": hinted - plain,
+      "num_layers": sharded.model_cfg.num_layers,
       "max_param_diff": max(float(np.max(np.abs(a - b))) for a, b in zip(p1, p2)),
       "loss_diff": abs(float(m1[0]["loss"]) - float(m2[0]["loss"])),
       "grad_norm_rel_diff": abs(float(m1[0]["grad_norm"]) - float(m2[0]["grad_norm"]))

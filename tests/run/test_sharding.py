@@ -345,6 +345,7 @@ def test_trainer_grpo_update_sharded_2x4_equals_single_device(tmp_path):
   assert res["loss_diff"] <= 1e-5, res
   assert res["grad_norm_rel_diff"] <= 1e-5, res
   assert res["q_spec"][0] == "fsdp"  # q_DNH [D, N, H]: D split over fsdp=4
+  assert res["hint_constraints"] >= res["num_layers"], res  # residual stream kept batch-sharded
   assert res["q_shard"][0] * 4 == res["q_global"][0]
   # Micro-batched (a 16-token budget: one row per device) on the same 2x4 mesh: the recompute
   # and the update equal the single-device one-piece ones.
