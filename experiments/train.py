@@ -5,6 +5,8 @@
     python experiments/train.py --config qwen3_14b --dry-run --num-devices 32
     python experiments/train.py --resume out_dir=runs/tiny           # continue a run
     python experiments/train.py --resume out_dir=runs/tiny num_steps=100   # ... for longer
+    python experiments/train.py --config qwen3_14b --coordinator host0:1234 --num-processes 4 \
+        --process-id $I          # one process per host (README: "Several hosts")
 
 Any TrainConfig field can be overridden as key=value; unknown keys and bad values exit with 2.
 An out_dir that already holds a run is refused unless --resume (continue it: its saved
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
   ap.add_argument("--quiet", action="store_true",
                   help="no progress bar and no per-step console lines (metrics.jsonl, "
                        "TensorBoard and the final summary are still written)")
+  from sparrow_jax.run import distributed
+  distributed.add_cli_args(ap)
   ap.add_argument("overrides", nargs="*", help="key=value config overrides")
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
   if args.list_keys:
@@ -107,8 +111,32 @@ def main(argv=None) -> int:
     return _err("--compile and --json go with --dry-run")
   if args.compile:
     _force_host_devices(args.num_devices)
+  if args.dry_run:  # abstract shapes: no job to join; the device count is all processes'
+    if args.num_processes and args.num_processes > 1 and args.num_devices is None:
+      import jax
+      args.num_devices = args.num_processes * jax.local_device_count()
+  else:
+    try:  # first thing: before anything touches a jax backend
+      distributed.initialize(**distributed.cli_kwargs(args))
+    except ValueError as e:
+      return _err(str(e))
+    if not distributed.is_writer():  # process 0 reports; the others only say what fails
+      import logging
+      logging.getLogger("sparrow_jax").setLevel(logging.ERROR)
+  try:
+    rc = _train(args)
+  except BaseException as e:  # (peers end at once, naming this process and the cause)
+    distributed.report_failure(f"{type(e).__name__}: {e}")
+    raise
+  if rc in (0, 130):
+    distributed.finish()
+  else:
+    distributed.report_failure(f"exited with status {rc} (see its log)")
+  return rc
 
-  from sparrow_jax.run import runs
+
+def _train(args) -> int:
+  from sparrow_jax.run import distributed, runs
   from sparrow_jax.run.config import get_train_config, parse_overrides
   resume = None
   try:
@@ -139,14 +167,17 @@ def main(argv=None) -> int:
   from sparrow_jax.run.trainer import Trainer, TrainingInterrupted, TrainingStopped, preflight
   try:
     checked = preflight(cfg)  # data, reward, schedule, ... before the model is built
-    if found:
+    if found and distributed.is_writer():
       removed = runs.clear_run(cfg.out_dir)
       print(f"--overwrite: removed {', '.join(removed)} from {cfg.out_dir}", file=sys.stderr)
+    if found and distributed.is_multi():  # nobody reads the old run after this
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("sparrow_jax: --overwrite")
     trainer = Trainer(cfg, quiet=args.quiet, checked=checked)
     if resume is not None:
       step = trainer.resume()
       print(_resumed_line(trainer, step), file=sys.stderr, flush=True)
-      if resume.changes:
+      if resume.changes and distributed.is_writer():
         runs.record_config_changes(cfg.out_dir, step, resume)
         print("resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b)
                                      in resume.changes.items())
@@ -169,6 +200,8 @@ def main(argv=None) -> int:
           + (f"the newest checkpoint is step {last[-1]}; resume with: {hint}" if last
              else "no checkpoint was written yet"), file=sys.stderr)
     return 130
+  if not distributed.is_writer():
+    return 0
   print("summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                 for k, v in summary.items()))
   return 0
