@@ -213,9 +213,10 @@ def finish() -> None:
 
 def report_failure(message: str) -> None:
   """This process fails with `message`: peers end with a line that names it and the cause
-  (instead of waiting for its heartbeat to stop)."""
+  (instead of waiting for its heartbeat to stop). Its own watchdog keeps watching: when the
+  failure is a collective that lost a peer, it names that peer before this process ends."""
   if _WATCHDOG is not None:
-    _WATCHDOG.stop("failed: " + " ".join(str(message).split())[:300])
+    _WATCHDOG.stop("failed: " + " ".join(str(message).split())[:300], watch=True)
 
 
 # ----------------------------------------------------------------------------- data
@@ -404,7 +405,8 @@ class Watchdog:
     self.count = jax.process_count() if count is None else count
     self.on_lost = on_lost or _die
     self._beat = 0
-    self._stopped: str | None = None
+    self._stopped: str | None = None  # final state written: no more beats
+    self._watching = True
     self._seen = {j: (None, clock()) for j in range(self.count) if j != self.index}
     self._thread = threading.Thread(target=self._run, name="sparrow-watchdog", daemon=True)
 
@@ -419,8 +421,10 @@ class Watchdog:
       self.client.key_value_set(f"{_KV_PREFIX}{self.index}", str(self._beat),
                                 allow_overwrite=True)
 
-  def stop(self, state: str) -> None:
-    """Write a final state ("done" or "failed: ...") and stop beating and watching."""
+  def stop(self, state: str, *, watch: bool = False) -> None:
+    """Write a final state ("done" or "failed: ...") and stop beating (and watching, unless
+    `watch`)."""
+    self._watching = watch
     if self._stopped is None:
       self._stopped = state
       try:
@@ -453,9 +457,9 @@ class Watchdog:
     return None
 
   def _run(self) -> None:
-    while self._stopped is None:
+    while self._watching:
       time.sleep(self.interval_s)
-      if self._stopped is not None:
+      if not self._watching:
         return
       try:
         self.beat()
@@ -464,7 +468,7 @@ class Watchdog:
                f"answering ({str(e).splitlines()[0][:200]})")
       else:
         msg = self.check()
-      if msg is not None and self._stopped is None:
+      if msg is not None and self._watching:
         self.on_lost(msg)
         return
 

@@ -21,7 +21,7 @@ TINY = ["--config", "tiny", "--quiet", "mesh=data=2,fsdp=4", "warmstart_steps=0"
         "prompts_per_step=4", "group_size=4", "max_new_tokens=4", "num_slots=4",
         "distill=false", "tensorboard=false", "sample_every=0", "save_every=1",
         "keep_last=3", "adam_eps=1e-6", f"reward={REWARD}", "reward_workers=1",
-        "skip_redundant_recompute=false"]
+        "entropy_coeff=0.01"]
 
 
 def free_port() -> int:
@@ -30,9 +30,9 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def _env(devices: int) -> dict:
+def _env(devices: int, extra: dict | None = None) -> dict:
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **(extra or {}))
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
             "SLURM_JOB_ID", "OMPI_MCA_orte_hnp_uri"):
     env.pop(k, None)
@@ -40,9 +40,11 @@ def _env(devices: int) -> dict:
 
 
 def start(num_processes: int, args: list[str], log_dir: str, *, devices: int | None = None,
-          heartbeat: float = 10.0) -> list[tuple[subprocess.Popen, str]]:
-  """Start `num_processes` train.py processes (8 devices in all) with `args`; stdout and
-  stderr of process i go to log_dir/proc{i}.log. Returns [(popen, log path)]."""
+          heartbeat: float = 10.0, env: dict | None = None
+          ) -> list[tuple[subprocess.Popen, str]]:
+  """Start `num_processes` train.py processes (8 devices in all) with `args` and `env` on
+  top of the environment; stdout and stderr of process i go to log_dir/proc{i}.log.
+  Returns [(popen, log path)]."""
   devices = devices or 8 // num_processes
   os.makedirs(log_dir, exist_ok=True)
   port = free_port()
@@ -54,7 +56,7 @@ def start(num_processes: int, args: list[str], log_dir: str, *, devices: int | N
     path = os.path.join(log_dir, f"proc{i}.log")
     with open(path, "w") as log:
       procs.append((subprocess.Popen([sys.executable, TRAIN, *flags, *args], cwd=REPO,
-                                     env=_env(devices), stdout=log,
+                                     env=_env(devices, env), stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True),
                     path))
   return procs
