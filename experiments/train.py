@@ -120,6 +120,10 @@ def main(argv=None) -> int:
       distributed.initialize(**distributed.cli_kwargs(args))
     except ValueError as e:
       return _err(str(e))
+    if distributed.is_multi():  # `kill -USR1 PID` prints where a process of the job waits
+      import faulthandler
+      import signal
+      faulthandler.register(signal.SIGUSR1, all_threads=True)
     if not distributed.is_writer():  # process 0 reports; the others only say what fails
       import logging
       logging.getLogger("sparrow_jax").setLevel(logging.ERROR)

@@ -403,7 +403,7 @@ class Watchdog:
     self.client, self.timeout_s, self.interval_s, self.clock = client, timeout_s, interval_s, clock
     self.index = jax.process_index() if index is None else index
     self.count = jax.process_count() if count is None else count
-    self.on_lost = on_lost or _die
+    self.on_lost = on_lost or (lambda msg: _die(msg, self.index))
     self._beat = 0
     self._stopped: str | None = None  # final state written: no more beats
     self._watching = True
@@ -473,7 +473,8 @@ class Watchdog:
         return
 
 
-def _die(message: str) -> None:
-  print(f"error: {message}; this process (index {jax.process_index()}) stops. Resume the run "
-        "with --resume once every host is back.", file=sys.stderr, flush=True)
+def _die(message: str, index: int) -> None:
+  # (no jax call here: the main thread may be tearing the backend down)
+  print(f"error: {message}; this process (index {index}) stops. Resume the run with "
+        "--resume once every host is back.", file=sys.stderr, flush=True)
   os._exit(1)

@@ -157,7 +157,7 @@ class Trainer:
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
         mesh=self._rollout_mesh())
     self.tx, self.lr_schedule = make_optimizer(cfg)
-    self.opt_state = jax.jit(self.tx.init)(self.params)
+    self.opt_state = self._init_opt(self.tx, self.params)
     # Micro-batches are split over the batch axes (data x fsdp): rows come in multiples.
     self.batch_divisor = sh.batch_divisor(self.mesh)
     self.update_rows = cfg.micro_batch
@@ -219,7 +219,7 @@ class Trainer:
                                   cfg.distill_warmup_steps)
             if cfg.distill_warmup_steps else cfg.distill_lr)
       self.lora_tx = distill_lib.default_optimizer(lr)
-      self.lora_opt_state = jax.jit(self.lora_tx.init)(self.lora)
+      self.lora_opt_state = self._init_opt(self.lora_tx, self.lora)
     # Without a dataset this trainer only reads a run (which may still be training).
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
@@ -232,6 +232,16 @@ class Trainer:
                                          seed=cfg.seed + 11)
       self.arrol_stop_ids = arrol_lib.stop_token_ids(self.tokenizer)
     self._build_programs()
+
+  def _init_opt(self, tx, params):
+    """`tx.init(params)` placed explicitly: moments like their parameters, counters
+    replicated on the mesh. (Left to jit, a counter comes out on one device, uncommitted;
+    restored from a checkpoint it is committed there, which a multi-process program over
+    the global mesh refuses.)"""
+    shardings = sh.opt_state_shardings(jax.eval_shape(tx.init, params),
+                                       jax.tree.map(lambda x: x.sharding, params), self.mesh,
+                                       params)
+    return jax.jit(tx.init, out_shardings=shardings)(params)
 
   def _rollout_mesh(self) -> jax.sharding.Mesh:
     """The engine's devices: this process's part of the mesh (each process rolls out its

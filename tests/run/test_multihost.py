@@ -229,7 +229,9 @@ def _copy_run(src, dst, step: int) -> None:
   """A run folder as it was after `step`: config, metrics, checkpoints up to `step`."""
   os.makedirs(os.path.join(dst, "checkpoints"))
   shutil.copy(os.path.join(src, "config.json"), dst)
-  shutil.copy(os.path.join(src, "metrics.jsonl"), dst)
+  with open(os.path.join(src, "metrics.jsonl")) as f, \
+      open(os.path.join(dst, "metrics.jsonl"), "w") as g:
+    g.writelines(ln for ln in f if json.loads(ln)["step"] <= step)
   for s in os.listdir(os.path.join(src, "checkpoints")):
     if s.isdigit() and int(s) <= step:
       shutil.copytree(os.path.join(src, "checkpoints", s), os.path.join(dst, "checkpoints", s))
