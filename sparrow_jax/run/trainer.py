@@ -157,7 +157,7 @@ class Trainer:
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
         mesh=self._rollout_mesh())
     self.tx, self.lr_schedule = make_optimizer(cfg)
-    self.opt_state = self._init_opt(self.tx, self.params)
+    self.opt_state, self.opt_shardings = self._init_opt(self.tx, self.params)
     # Micro-batches are split over the batch axes (data x fsdp): rows come in multiples.
     self.batch_divisor = sh.batch_divisor(self.mesh)
     self.update_rows = cfg.micro_batch
@@ -219,7 +219,7 @@ class Trainer:
                                   cfg.distill_warmup_steps)
             if cfg.distill_warmup_steps else cfg.distill_lr)
       self.lora_tx = distill_lib.default_optimizer(lr)
-      self.lora_opt_state = self._init_opt(self.lora_tx, self.lora)
+      self.lora_opt_state, _ = self._init_opt(self.lora_tx, self.lora)
     # Without a dataset this trainer only reads a run (which may still be training).
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
@@ -234,14 +234,14 @@ class Trainer:
     self._build_programs()
 
   def _init_opt(self, tx, params):
-    """`tx.init(params)` placed explicitly: moments like their parameters, counters
-    replicated on the mesh. (Left to jit, a counter comes out on one device, uncommitted;
-    restored from a checkpoint it is committed there, which a multi-process program over
-    the global mesh refuses.)"""
+    """(`tx.init(params)`, its shardings) placed explicitly: moments like their parameters,
+    counters replicated on the mesh. (Left to jit, a counter comes out on one device,
+    uncommitted; restored from a checkpoint it is committed there, which a multi-process
+    program over the global mesh refuses.)"""
     shardings = sh.opt_state_shardings(jax.eval_shape(tx.init, params),
                                        jax.tree.map(lambda x: x.sharding, params), self.mesh,
                                        params)
-    return jax.jit(tx.init, out_shardings=shardings)(params)
+    return jax.jit(tx.init, out_shardings=shardings)(params), shardings
 
   def _rollout_mesh(self) -> jax.sharding.Mesh:
     """The engine's devices: this process's part of the mesh (each process rolls out its
@@ -283,7 +283,9 @@ class Trainer:
     self.programs = build_programs(
         self.graphdef, cfg, loss_cfg=self.loss_cfg, tx=self.tx, temperature=self.temperature,
         skip_recompute=cfg.skips_recompute, attention=self.attention,
-        lora_tx=getattr(self, "lora_tx", None), dcfg=dcfg)
+        lora_tx=getattr(self, "lora_tx", None), dcfg=dcfg,
+        apply_shardings=(self.param_shardings, self.opt_shardings,
+                         sh.replicated(self.mesh), sh.replicated(self.mesh)))
     if count is not None:  # a schedule switch rebuilds the programs: keep counting
       self.programs.count = count
 
@@ -342,7 +344,7 @@ class Trainer:
     if cfg.warmstart_steps <= 0:
       return {}
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.warmstart_lr))
-    opt = tx.init(self.params)
+    opt, opt_shardings = self._init_opt(tx, self.params)
     graphdef = self.graphdef
     seqs = []
     for e in self.examples:
@@ -361,7 +363,9 @@ class Trainer:
       params, opt_state, _, _ = _guarded_apply(tx, params, opt_state, grads, loss)
       return params, opt_state, loss
 
-    sft = jax.jit(sft, donate_argnums=(0, 1))
+    # (the policy keeps its layout: the RL programs compile once for it)
+    sft = jax.jit(sft, donate_argnums=(0, 1), out_shardings=(
+        self.param_shardings, opt_shardings, sh.replicated(self.mesh)))
     rng = np.random.default_rng(cfg.seed + 1)
     losses = []
     for _ in range(cfg.warmstart_steps):
