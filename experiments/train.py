@@ -22,6 +22,8 @@ import argparse
 import os
 import sys
 
+import numpy as np
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
@@ -63,6 +65,29 @@ def _resumed_line(trainer, step: int) -> str:
   todo = (f"training to step {cfg.num_steps}" if step < cfg.num_steps
           else f"nothing left to train (num_steps={cfg.num_steps})")
   return f"resuming from step {step} (checkpoint {where}): {', '.join(parts)}; {todo}"
+
+
+def _dry_run_devices(args) -> int | None:
+  """--dry-run of a multi-process job: --num-devices counts every process's devices; without
+  it, the mesh's size, else --num-processes x this host's devices. None: one process."""
+  n = args.num_processes
+  if not n or n == 1:
+    return args.num_devices
+  from sparrow_jax.run import sharding as sh
+  from sparrow_jax.run.config import get_train_config
+  mesh = sh.parse_mesh(get_train_config(args.config, args.overrides).mesh)
+  if args.num_devices is not None:
+    total = args.num_devices
+  elif mesh.is_resolved:
+    total = int(np.prod(mesh.shape))
+  else:
+    import jax
+    total = n * jax.local_device_count()
+  if total % n:
+    raise ValueError(f"--num-processes {n}: {total} devices do not split evenly over the "
+                     "processes; expected a multiple of it")
+  print(f"dry run of {n} processes x {total // n} devices", file=sys.stderr)
+  return total
 
 
 def main(argv=None) -> int:
@@ -112,9 +137,10 @@ def main(argv=None) -> int:
   if args.compile:
     _force_host_devices(args.num_devices)
   if args.dry_run:  # abstract shapes: no job to join; the device count is all processes'
-    if args.num_processes and args.num_processes > 1 and args.num_devices is None:
-      import jax
-      args.num_devices = args.num_processes * jax.local_device_count()
+    try:
+      args.num_devices = _dry_run_devices(args)
+    except ValueError as e:
+      return _err(str(e))
   else:
     try:  # first thing: before anything touches a jax backend
       distributed.initialize(**distributed.cli_kwargs(args))

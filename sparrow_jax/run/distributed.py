@@ -368,15 +368,18 @@ def fetch(tree):
   return jax.tree.map(one, tree)
 
 
-def agree_stop(signame: str | None) -> str | None:
-  """The stop flag of all processes at a step's end: the first process's signal that got
-  one (SIGINT/SIGTERM by number), None when none did. A collective: every process calls it
-  once per step."""
+def agree_stop(signame: str | None,
+               allgather: Callable[[Any], Any] | None = None) -> str | None:
+  """The stop flag of all processes at a step's end: the signal of the first process that
+  got one (SIGINT/SIGTERM, by number), None when none did. A collective: every process calls
+  it once per step."""
   import signal
-  if not is_multi():
-    return signame
+  if allgather is None:
+    if not is_multi():
+      return signame
+    allgather = allgather_host
   num = int(signal.Signals[signame]) if signame else 0
-  nums = allgather_host(np.asarray([num], np.int32))[:, 0]
+  nums = allgather(np.asarray([num], np.int32))[:, 0]
   hit = [int(x) for x in nums if x]
   return signal.Signals(hit[0]).name if hit else None
 

@@ -2,8 +2,9 @@
 2 processes x 4 CPU devices on loopback against 1 process x 8 devices.
 
 The end-to-end test shares four launches between every acceptance check: the 1x8 and 2x4
-runs of 3 steps (compared step by step), a 1-process resume from the 2-process step-2
-checkpoint and a 2-process resume from the 1-process one (each compared with the
+runs (compared step by step over 3 steps; the 2x4 one then gets SIGTERM on process 1 and
+both of its processes stop after the same step), a 1-process resume from the 2-process
+step-2 checkpoint and a 2-process resume from the 1-process one (each compared with the
 uninterrupted run of its process count), and that 2-process resume, run on past step 3, is
 where one process is killed. The children share a persistent compilation cache, so the
 resumed runs mostly reuse the programs of the first two.
@@ -155,6 +156,10 @@ def test_single_process_fetch_and_stop_pass_through():
   x = jax.numpy.arange(4.0)
   np.testing.assert_array_equal(dist.fetch({"a": x})["a"], np.arange(4.0))
   assert dist.agree_stop("SIGTERM") == "SIGTERM" and dist.agree_stop(None) is None
+  # Process 1 of 3 got SIGTERM: everyone stops, with its signal's name.
+  others = lambda x: np.stack([np.zeros_like(x), np.full_like(x, 15), np.zeros_like(x)])
+  assert dist.agree_stop(None, allgather=others) == "SIGTERM"
+  assert dist.agree_stop(None, allgather=lambda x: np.stack([x, x])) is None
 
 
 class _FakeStore:
@@ -257,17 +262,28 @@ def test_two_processes_match_one_resume_across_counts_and_survive_a_kill(tmp_pat
            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   args = lambda out, steps: H.TINY + [f"num_steps={steps}", f"out_dir={out}"]
-  procs = (H.start(1, args(one, 3), one + "_logs", env=extra)
-           + H.start(2, args(two, 3), two + "_logs", env=extra))
-  res = H.wait_all(procs, timeout=420)
-  for i, (rc, out) in enumerate(res):
-    assert rc == 0, f"launch {i} exited {rc}:\n{out[-4000:]}"
+  # The 2-process run is set for 5 steps; SIGTERM to process 1 once step 3 is logged stops
+  # both after the same step (3 or 4), with one checkpoint of it.
+  procs2 = H.start(2, args(two, 5), two + "_logs", env=extra)
+  procs = H.start(1, args(one, 3), one + "_logs", env=extra) + procs2
+  try:
+    _wait_for_step(os.path.join(two, "metrics.jsonl"), 3, procs2, timeout=400)
+    os.kill(procs2[1][0].pid, signal.SIGTERM)
+    res = H.wait_all(procs, timeout=300)
+  finally:
+    H.kill_all(procs)
+  assert res[0][0] == 0, res[0][1][-4000:]
+  for rc, out in res[1:]:
+    assert rc == 130, out[-4000:]
+  assert "SIGTERM: stopped after step" in res[1][1]  # process 0 stopped for process 1
   a = read_jsonl(os.path.join(one, "metrics.jsonl"))
   b = read_jsonl(os.path.join(two, "metrics.jsonl"))
-  # One writer: one metrics.jsonl of 3 records, one config.json, nothing from process 1.
-  assert sorted(a) == sorted(b) == [1, 2, 3]
+  last = max(b)
+  assert sorted(a) == [1, 2, 3] and last in (3, 4) and sorted(b) == list(range(1, last + 1))
+  assert max(int(s) for s in os.listdir(os.path.join(two, "checkpoints"))) == last
+  # One writer: one metrics.jsonl (a record per step), one config.json, nothing else.
   with open(os.path.join(two, "metrics.jsonl")) as f:
-    assert len(f.read().splitlines()) == 3
+    assert len(f.read().splitlines()) == last
   assert sorted(os.listdir(two)) == sorted(os.listdir(one))
   assert b[1]["reward/std"] > 0 and b[1]["grad_norm"] > 0  # a real signal is compared
   for step in (1, 2, 3):
