@@ -294,7 +294,7 @@ def test_two_processes_match_one_resume_across_counts_and_survive_a_kill(tmp_pat
   two_to_one, one_to_two = str(tmp_path / "two_to_one"), str(tmp_path / "one_to_two")
   _copy_run(two, two_to_one, 2)
   _copy_run(one, one_to_two, 2)
-  resumed1 = H.start(1, ["--quiet", "--resume", f"out_dir={two_to_one}"],
+  resumed1 = H.start(1, ["--quiet", "--resume", f"out_dir={two_to_one}", "num_steps=3"],
                      two_to_one + "_logs", env=extra)
   resumed2 = H.start(2, ["--quiet", "--resume", f"out_dir={one_to_two}", "num_steps=5"],
                      one_to_two + "_logs", env=extra, heartbeat=10)
