@@ -206,7 +206,8 @@ def _train(args) -> int:
     trainer = Trainer(cfg, quiet=args.quiet, checked=checked)
     if resume is not None:
       step = trainer.resume()
-      print(_resumed_line(trainer, step), file=sys.stderr, flush=True)
+      if distributed.is_writer():
+        print(_resumed_line(trainer, step), file=sys.stderr, flush=True)
       if resume.changes and distributed.is_writer():
         runs.record_config_changes(cfg.out_dir, step, resume)
         print("resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b)

@@ -30,7 +30,6 @@ are written by every process through orbax.
 from __future__ import annotations
 
 import argparse
-import atexit
 import logging
 import os
 import sys
@@ -175,6 +174,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                        "program (experiments/train.py does)")
     init_fn = jax.distributed.initialize
   hb = int(np.ceil(heartbeat_timeout_s))
+  host = kwargs.get("coordinator_address", "").rpartition(":")[0]
+  if host in ("127.0.0.1", "localhost", "[::1]"):  # one machine: listen on loopback only
+    kwargs = dict(kwargs, coordinator_bind_address=kwargs["coordinator_address"])
   log.info("joining a multi-process job: %s", reason)
   # The runtime's own heartbeat is the backstop: ours (below) fires first, with a message.
   init_fn(**kwargs, heartbeat_timeout_seconds=hb + 15, shutdown_timeout_seconds=hb + 15)
@@ -415,8 +417,7 @@ class Watchdog:
 
   def start(self) -> None:
     self.beat()
-    self._thread.start()
-    atexit.register(lambda: None)  # (the thread is a daemon: nothing to join at exit)
+    self._thread.start()  # (a daemon: it keeps watching while the interpreter exits)
 
   def beat(self) -> None:
     if self._stopped is None:

@@ -198,6 +198,7 @@ class Trainer:
     self.warmstart_done = False
     self.resumed_step: int | None = None
     self.last_rollout = None  # (example of each completion, completions, rewards), last step
+    self.rollout_stats: dict[str, float] = {}  # engine counters of the last rollout
     self.step = 0
     self.bad_steps = 0
     self.compilations = 0

@@ -64,6 +64,7 @@ def test_initialize_flags_env_and_errors():
   assert dist.initialize(env=env, init_fn=init)
   assert calls == [  # the runtime's own heartbeat is the backstop behind the watchdog's
       dict(coordinator_address="127.0.0.1:5", num_processes=2, process_id=1,
+           coordinator_bind_address="127.0.0.1:5",  # loopback: listen on nothing else
            heartbeat_timeout_seconds=22, shutdown_timeout_seconds=22),
       dict(coordinator_address="h:1", num_processes=3, process_id=2,
            heartbeat_timeout_seconds=45, shutdown_timeout_seconds=45)]
@@ -81,6 +82,18 @@ def test_initialize_flags_env_and_errors():
   with pytest.raises(ValueError, match="not initialised"):
     dist.require_initialized(env)
   dist.require_initialized({})
+
+
+def test_dry_run_counts_every_process_devices():
+  import argparse
+  from experiments.train import _dry_run_devices
+  ns = lambda n, d, *ov: argparse.Namespace(num_processes=n, num_devices=d, config="qwen3_14b",
+                                            overrides=list(ov))
+  assert _dry_run_devices(ns(4, 32)) == 32
+  assert _dry_run_devices(ns(4, None, "mesh=data=2,fsdp=16")) == 32  # the mesh's size
+  assert _dry_run_devices(ns(None, 8)) == 8 and _dry_run_devices(ns(1, None)) is None
+  with pytest.raises(ValueError, match="--num-processes 3: 32 devices do not split"):
+    _dry_run_devices(ns(3, 32))
 
 
 def test_prompt_ranges_partition_groups():
