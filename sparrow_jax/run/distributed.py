@@ -182,8 +182,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
   init_fn(**kwargs, heartbeat_timeout_seconds=hb + 15, shutdown_timeout_seconds=hb + 15)
   if watchdog and init_fn is jax.distributed.initialize and jax.process_count() > 1:
     global _WATCHDOG
-    _WATCHDOG = Watchdog(timeout_s=heartbeat_timeout_s)
-    _WATCHDOG.start()
+    try:
+      _WATCHDOG = Watchdog(timeout_s=heartbeat_timeout_s)
+    except (ImportError, AttributeError) as e:  # (a jax whose private client moved)
+      log.warning("no heartbeat watchdog (%s): a lost process is found by the runtime's "
+                  "own heartbeat, after %d s", e, hb + 15)
+    else:
+      _WATCHDOG.start()
   return True
 
 
@@ -405,6 +410,8 @@ class Watchdog:
     if client is None:
       from jax._src import distributed as _dist
       client = _dist.global_state.client
+      if client is None or not hasattr(client, "key_value_try_get"):
+        raise AttributeError("jax's distributed client has no key-value store here")
     self.client, self.timeout_s, self.interval_s, self.clock = client, timeout_s, interval_s, clock
     self.index = jax.process_index() if index is None else index
     self.count = jax.process_count() if count is None else count
