@@ -5,6 +5,8 @@
     python experiments/train.py --config qwen3_14b --dry-run --num-devices 32
     python experiments/train.py --resume out_dir=runs/tiny           # continue a run
     python experiments/train.py --resume out_dir=runs/tiny num_steps=100   # ... for longer
+    python experiments/train.py --config qwen3_14b --coordinator host0:1234 --num-processes 4 \
+        --process-id $I          # one process per host (README: "Several hosts")
 
 Any TrainConfig field can be overridden as key=value; unknown keys and bad values exit with 2.
 An out_dir that already holds a run is refused unless --resume (continue it: its saved
@@ -19,6 +21,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -63,6 +67,29 @@ def _resumed_line(trainer, step: int) -> str:
   return f"resuming from step {step} (checkpoint {where}): {', '.join(parts)}; {todo}"
 
 
+def _dry_run_devices(args) -> int | None:
+  """--dry-run of a multi-process job: --num-devices counts every process's devices; without
+  it, the mesh's size, else --num-processes x this host's devices. None: one process."""
+  n = args.num_processes
+  if not n or n == 1:
+    return args.num_devices
+  from sparrow_jax.run import sharding as sh
+  from sparrow_jax.run.config import get_train_config
+  mesh = sh.parse_mesh(get_train_config(args.config, args.overrides).mesh)
+  if args.num_devices is not None:
+    total = args.num_devices
+  elif mesh.is_resolved:
+    total = int(np.prod(mesh.shape))
+  else:
+    import jax
+    total = n * jax.local_device_count()
+  if total % n:
+    raise ValueError(f"--num-processes {n}: {total} devices do not split evenly over the "
+                     "processes; expected a multiple of it")
+  print(f"dry run of {n} processes x {total // n} devices", file=sys.stderr)
+  return total
+
+
 def main(argv=None) -> int:
   from experiments._cli import positive
   ap = argparse.ArgumentParser(description=__doc__, epilog=_epilog(),
@@ -94,6 +121,8 @@ def main(argv=None) -> int:
   ap.add_argument("--quiet", action="store_true",
                   help="no progress bar and no per-step console lines (metrics.jsonl, "
                        "TensorBoard and the final summary are still written)")
+  from sparrow_jax.run import distributed
+  distributed.add_cli_args(ap)
   ap.add_argument("overrides", nargs="*", help="key=value config overrides")
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
   if args.list_keys:
@@ -107,8 +136,37 @@ def main(argv=None) -> int:
     return _err("--compile and --json go with --dry-run")
   if args.compile:
     _force_host_devices(args.num_devices)
+  if args.dry_run:  # abstract shapes: no job to join; the device count is all processes'
+    try:
+      args.num_devices = _dry_run_devices(args)
+    except ValueError as e:
+      return _err(str(e))
+  else:
+    try:  # first thing: before anything touches a jax backend
+      distributed.initialize(**distributed.cli_kwargs(args))
+    except ValueError as e:
+      return _err(str(e))
+    if distributed.is_multi():  # `kill -USR1 PID` prints where a process of the job waits
+      import faulthandler
+      import signal
+      faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if not distributed.is_writer():  # process 0 reports; the others only say what fails
+      import logging
+      logging.getLogger("sparrow_jax").setLevel(logging.ERROR)
+  try:
+    rc = _train(args)
+  except BaseException as e:  # (peers end at once, naming this process and the cause)
+    distributed.report_failure(f"{type(e).__name__}: {e}")
+    raise
+  if rc in (0, 130):
+    distributed.finish()
+  else:
+    distributed.report_failure(f"exited with status {rc} (see its log)")
+  return rc
 
-  from sparrow_jax.run import runs
+
+def _train(args) -> int:
+  from sparrow_jax.run import distributed, runs
   from sparrow_jax.run.config import get_train_config, parse_overrides
   resume = None
   try:
@@ -139,14 +197,18 @@ def main(argv=None) -> int:
   from sparrow_jax.run.trainer import Trainer, TrainingInterrupted, TrainingStopped, preflight
   try:
     checked = preflight(cfg)  # data, reward, schedule, ... before the model is built
-    if found:
+    if found and distributed.is_writer():
       removed = runs.clear_run(cfg.out_dir)
       print(f"--overwrite: removed {', '.join(removed)} from {cfg.out_dir}", file=sys.stderr)
+    if found and distributed.is_multi():  # nobody reads the old run after this
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("sparrow_jax: --overwrite")
     trainer = Trainer(cfg, quiet=args.quiet, checked=checked)
     if resume is not None:
       step = trainer.resume()
-      print(_resumed_line(trainer, step), file=sys.stderr, flush=True)
-      if resume.changes:
+      if distributed.is_writer():
+        print(_resumed_line(trainer, step), file=sys.stderr, flush=True)
+      if resume.changes and distributed.is_writer():
         runs.record_config_changes(cfg.out_dir, step, resume)
         print("resume: " + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b)
                                      in resume.changes.items())
@@ -169,6 +231,8 @@ def main(argv=None) -> int:
           + (f"the newest checkpoint is step {last[-1]}; resume with: {hint}" if last
              else "no checkpoint was written yet"), file=sys.stderr)
     return 130
+  if not distributed.is_writer():
+    return 0
   print("summary: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                 for k, v in summary.items()))
   return 0

@@ -89,6 +89,30 @@ def _next_pow2(n: int) -> int:
   return 1 << max(0, (int(n) - 1).bit_length())
 
 
+def _identity(*xs):
+  return xs
+
+
+def _gather_remote(tree):
+  """`tree` with every leaf that spans other processes' devices (a multi-host training
+  layout) replaced by a full local copy: one jitted all-gather to replicated on the leaf's
+  own mesh, then this process's replica. In a multi-host run every process calls this at
+  the same point (it is a collective); the rollout devices are this process's own."""
+  leaves, treedef = jax.tree.flatten(tree)
+  far = [i for i, x in enumerate(leaves)
+         if isinstance(x, jax.Array) and not x.is_fully_addressable]
+  if not far:
+    return tree
+  if not all(isinstance(leaves[i].sharding, NamedSharding) for i in far):
+    raise ValueError("engine: a parameter spans other processes' devices without a "
+                     "NamedSharding; expected the training mesh's NamedShardings")
+  out = jax.jit(_identity, out_shardings=tuple(
+      NamedSharding(leaves[i].sharding.mesh, P()) for i in far))(*(leaves[i] for i in far))
+  for i, x in zip(far, out):
+    leaves[i] = x.addressable_data(0)
+  return jax.tree.unflatten(treedef, leaves)
+
+
 def _report_finished(done: dict, reported: set[int], on_finish) -> set[int]:
   """Hand every completion in `done` not reported yet to `on_finish` (index order)."""
   for i in sorted(done.keys() - reported):
@@ -181,14 +205,14 @@ class GenerationEngine(DeviceSteps):
     dt = jnp.dtype(self.model_config.dtype)
     cast = lambda x: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating)
                       and x.dtype.itemsize > dt.itemsize else x)
-    return jax.device_put(jax.tree.map(cast, state), NamedSharding(self.mesh, P()))
+    return self._replicate(jax.tree.map(cast, state))
 
   def _replicate(self, tree):
-    """A pytree (LoRA, quality head) replicated on the rollout devices: placed once per
-    `generate`, so no chunk call reshards it from the training layout."""
+    """A pytree (parameters, LoRA, quality head) replicated on the rollout devices: placed
+    once per `generate`, so no chunk call reshards it from the training layout."""
     if tree is None:
       return None
-    return jax.device_put(tree, NamedSharding(self.mesh, P()))
+    return jax.device_put(_gather_remote(tree), NamedSharding(self.mesh, P()))
 
   def _create_pool(self) -> PagedKVCache:
     mc, cfg, d = self.model_config, self.config, self.num_shards

@@ -77,7 +77,8 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   if getattr(trainer, "arrol", None) is not None:
     hook = _ScoreOnly(trainer.arrol, trainer.arrol_stop_ids)
   try:
-    comps = engine.generate(reqs, lora=lora, prune=hook)
+    # (a trainer over several processes splits the prompts between them and gathers)
+    comps = getattr(trainer, "generate_shared", engine.generate)(reqs, lora=lora, prune=hook)
   finally:
     engine.set_attention(*saved)
   texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]

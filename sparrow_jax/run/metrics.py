@@ -73,20 +73,27 @@ class MetricsLogger:
   def __init__(self, out_dir: str, *, total_steps: int, tensorboard: bool = True,
                start_step: int = 0, quiet: bool = False,
                loggers: tuple[str, ...] | None = None, run_config: dict | None = None,
-               wandb_project: str = "sparrow_jax"):
+               wandb_project: str = "sparrow_jax", writer: bool = True):
     """`loggers` (default: ("tensorboard",) if `tensorboard` else ()) names the backends
-    beside the console and the JSONL files: "tensorboard", "wandb"."""
-    os.makedirs(out_dir, exist_ok=True)
+    beside the console and the JSONL files: "tensorboard", "wandb". `writer=False` (every
+    process but 0 of a multi-host run): nothing is written or printed, the history is kept
+    (`close` still returns the summary)."""
     self.out_dir = out_dir
     self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
     self.samples_path = os.path.join(out_dir, "samples.jsonl")
-    self.quiet = quiet
+    self.writer = writer
+    self.quiet = quiet or not writer
     loggers = tuple(loggers) if loggers is not None else (("tensorboard",) if tensorboard
                                                           else ())
-    # Steps after `start_step` are (re)done by this run: their old lines go.
-    self.history: list[dict[str, Any]] = _truncate_jsonl(self.jsonl_path, start_step,
-                                                         one_per_step=True)
-    _truncate_jsonl(self.samples_path, start_step, one_per_step=False)
+    if not writer:  # (the summary of a non-writer covers the steps it ran)
+      loggers = ()
+      self.history: list[dict[str, Any]] = []
+    else:
+      os.makedirs(out_dir, exist_ok=True)
+      # Steps after `start_step` are (re)done by this run: their old lines go.
+      self.history: list[dict[str, Any]] = _truncate_jsonl(self.jsonl_path, start_step,
+                                                           one_per_step=True)
+      _truncate_jsonl(self.samples_path, start_step, one_per_step=False)
     self._tb = None
     if "tensorboard" in loggers:
       try:
@@ -99,7 +106,7 @@ class MetricsLogger:
       self._wandb = _start_wandb(out_dir, wandb_project, run_config)
     self._bar = None
     self.current_phase: str | None = None
-    if not quiet:
+    if not self.quiet:
       try:
         from tqdm import tqdm
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
@@ -111,6 +118,8 @@ class MetricsLogger:
   def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     rec = {"step": int(step), **{k: _scalar(v) for k, v in metrics.items()}}
     self.history.append(rec)
+    if not self.writer:
+      return rec
     with open(self.jsonl_path, "a") as f:
       f.write(json.dumps(rec) + "\n")
     if self._tb is not None:
@@ -138,6 +147,8 @@ class MetricsLogger:
 
   def samples(self, step: int, rows: list[Mapping[str, Any]]) -> None:
     """A few completions of step `step` (dicts of prompt, response, reward, ...)."""
+    if not self.writer:
+      return
     with open(self.samples_path, "a") as f:
       for r in rows:
         f.write(json.dumps({"step": int(step), **r}) + "\n")
@@ -194,6 +205,8 @@ class MetricsLogger:
       self._wandb.finish()
       self._wandb = None
     summary = summarize(self.history)
+    if not self.writer:
+      return summary
     with open(os.path.join(self.out_dir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=2)
     plot_history(self.history, os.path.join(self.out_dir, "training.png"))

@@ -18,7 +18,8 @@ shapes:
                   its length, padding rows filled with neutral values (length 1, mask 0).
   run()           the driver: for each micro-batch, gather -> place sharded over the batch axes
                   (data x fsdp) -> a jitted program -> results written back into full host
-                  arrays, row for row. The next micro-batch is dispatched before the previous
+                  arrays, row for row (in a multi-host run every process holds the whole
+                  host batch and reads the results back with a collective). The next micro-batch is dispatched before the previous
                   one's results are fetched, so the host copy overlaps the device.
   padding_frac()  padded / processed tokens of a plan (`batch/padding_frac`).
 
@@ -185,12 +186,13 @@ def scatter(full: dict[str, np.ndarray], mb: MicroBatch, result: Mapping[str, An
 def run(fn: Callable[[dict], Mapping[str, jax.Array]], arrays: Mapping[str, np.ndarray],
         micro: Sequence[MicroBatch], *, place: Callable[[dict], dict],
         keys: Sequence[str] | None = None, prepare: Callable[[dict, MicroBatch], dict] | None
-        = None) -> dict[str, np.ndarray]:
+        = None, fetch: Callable[[Any], Any] = jax.device_get) -> dict[str, np.ndarray]:
   """Run `fn` (a jitted program of one placed micro-batch -> dict of [R, L, ...] / [R]
   arrays) over every micro-batch of `micro` and return the results as full host arrays
   [B, T, ...] / [B] (B, T: those of `arrays["tokens"]`). `place` puts a host micro-batch on
   the devices (sharded over the batch axes); `prepare(inputs, mb)` may add inputs computed on
-  the host per micro-batch (e.g. page budgets)."""
+  the host per micro-batch (e.g. page budgets). `fetch` reads results back to the host (a
+  multi-host run all-gathers them: `distributed.fetch`)."""
   b, t = np.shape(arrays["tokens"])[:2]
   full: dict[str, np.ndarray] = {}
   pending = None
@@ -200,8 +202,8 @@ def run(fn: Callable[[dict], Mapping[str, jax.Array]], arrays: Mapping[str, np.n
       inputs = prepare(inputs, mb)
     res = fn(place(inputs))
     if pending is not None:  # fetch the previous micro-batch while this one runs
-      scatter(full, pending[0], jax.device_get(pending[1]), b, t)
+      scatter(full, pending[0], fetch(pending[1]), b, t)
     pending = (mb, res)
   if pending is not None:
-    scatter(full, pending[0], jax.device_get(pending[1]), b, t)
+    scatter(full, pending[0], fetch(pending[1]), b, t)
   return full

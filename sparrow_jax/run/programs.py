@@ -116,12 +116,19 @@ def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, tempe
   return jax.jit(hinted(fn, *hints), donate_argnums=(1,))
 
 
-def make_apply(tx, count: Callable[[], None] = lambda: None, hints=(None, ())):
+def make_apply(tx, count: Callable[[], None] = lambda: None, out_shardings=None,
+               hints=(None, ())):
+  """The guarded optimizer step. `out_shardings` (params, optimizer state, ok, grad norm):
+  the updated state keeps the layout it came in, so the next step's programs see the same
+  input shardings and are not compiled again (left to XLA, the first update's outputs can
+  come out laid out differently from the initial state)."""
   def fn(params, opt_state, grads, loss):
     count()
     return guarded_apply(tx, params, opt_state, grads, loss)
 
-  return jax.jit(hinted(fn, *hints), donate_argnums=(0, 1))
+  if out_shardings is None:
+    return jax.jit(hinted(fn, *hints), donate_argnums=(0, 1))
+  return jax.jit(hinted(fn, *hints), donate_argnums=(0, 1), out_shardings=out_shardings)
 
 
 def make_zeros():
@@ -183,9 +190,11 @@ class Programs:
 
 def build_programs(graphdef, cfg, *, loss_cfg: grpo.GRPOLossConfig, tx, temperature: float,
                    skip_recompute: bool, attention=None, lora_tx=None,
-                   dcfg: distill_lib.DistillConfig | None = None, mesh=None,
+                   dcfg: distill_lib.DistillConfig | None = None,
+                   apply_shardings=None, mesh=None,
                    batch_axes: tuple[str, ...] = ()) -> Programs:
-  """All programs of a `TrainConfig` (`attention`, `lora_tx`, `dcfg`: DistillSparse's).
+  """All programs of a `TrainConfig` (`attention`, `lora_tx`, `dcfg`: DistillSparse's;
+  `apply_shardings`: the update's output shardings, see `make_apply`).
   `mesh`, `batch_axes`: the programs trace under `sharding_hints.batch_sharding`, so the
   model keeps its activations batch-sharded (FSDP all-gathers the weights instead)."""
   count = Counter()
@@ -200,7 +209,8 @@ def build_programs(graphdef, cfg, *, loss_cfg: grpo.GRPOLossConfig, tx, temperat
                                remat=cfg.remat, with_entropy=cfg.entropy_coeff > 0,
                                skip_recompute=skip_recompute, topk=topk, count=count,
                                hints=hints),
-      apply=make_apply(tx, count, hints=hints), zeros=make_zeros(), count=count,
+      apply=make_apply(tx, count, apply_shardings, hints=hints), zeros=make_zeros(),
+      count=count,
       skip_recompute=skip_recompute)
   if dcfg is not None:
     progs.distill_grad = make_distill_grad(graphdef, attention, dcfg, count, hints=hints)

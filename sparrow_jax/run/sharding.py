@@ -27,8 +27,8 @@ variables) takes the parameter's spec; scalars (step counts, schedule state) are
 anything else raises.
 
 `make_mesh` builds an Auto-axis mesh (jax >= 0.7 defaults `jax.make_mesh` to Explicit axes,
-under which `with_sharding_constraint` rejects plain specs). `maybe_initialize_distributed`
-joins a multi-host job only when the launcher's environment variables say there is one.
+under which `with_sharding_constraint` rejects plain specs). Joining a multi-host job is
+`run/distributed.py`'s; `shard_batch` takes the same global host batch on every process.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import re
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -416,10 +415,11 @@ def batch_divisor(mesh: Mesh | MeshConfig | Mapping[str, int]) -> int:
 
 
 def shard_batch(batch, mesh: Mesh):
-  """Place a (host, numpy or jax) batch pytree with `batch_sharding`.
+  """Place a host (numpy or jax) batch pytree with `batch_sharding`.
 
-  Single process: `batch` is the global batch. Multi-process: each process passes its own
-  slice and the global array is assembled with `jax.make_array_from_process_local_data`.
+  `batch` is the global batch, identical on every process (multi-process runs gather the
+  completions first): each process fills its own devices' rows from it
+  (`jax.make_array_from_callback`), so nothing crosses hosts.
   """
   sharding = batch_sharding(mesh)
   div = batch_divisor(mesh)
@@ -429,12 +429,12 @@ def shard_batch(batch, mesh: Mesh):
     shape = _shape_of(x)
     if not shape:
       raise ValueError(f"batch leaf {path_str(path)!r} is a scalar; expected a leading batch dim")
-    global_b = shape[0] * (jax.process_count() if multi else 1)
-    if global_b % div:
-      raise ValueError(f"batch leaf {path_str(path)!r}: batch size {global_b} is not divisible "
+    if shape[0] % div:
+      raise ValueError(f"batch leaf {path_str(path)!r}: batch size {shape[0]} is not divisible "
                        f"by data x fsdp = {div}")
     if multi:
-      return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+      host = np.asarray(x)
+      return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
     return jax.device_put(x, sharding)
 
   return jax.tree_util.tree_map_with_path(one, batch)
@@ -462,67 +462,3 @@ def sharded_init(init_fn: Callable[[], Any], mesh: Mesh, *,
   shardings = param_shardings(abstract, mesh, extra_rules=extra_rules)
   tree = jax.jit(init_fn, out_shardings=shardings)()
   return tree, shardings
-
-
-# ----------------------------------------------------------------------------- multi-host
-
-
-def detect_distributed_env(env: Mapping[str, str] | None = None) -> tuple[dict | None, str]:
-  """(kwargs for `jax.distributed.initialize` or None, reason).
-
-  Initialise when (a) an explicit coordinator is set (JAX_COORDINATOR_ADDRESS or
-  COORDINATOR_ADDRESS, with JAX_NUM_PROCESSES/NUM_PROCESSES and JAX_PROCESS_ID/PROCESS_ID),
-  or (b) a SLURM or Open MPI launch of more than one task, which jax's own cluster detection
-  then resolves. A single-task SLURM/MPI job is left alone.
-  """
-  env = os.environ if env is None else env
-
-  def first(*names):
-    for n in names:
-      if env.get(n) not in (None, ""):
-        return n, env[n]
-    return None, None
-
-  _, coord = first("JAX_COORDINATOR_ADDRESS", "COORDINATOR_ADDRESS")
-  if coord:
-    nname, nproc = first("JAX_NUM_PROCESSES", "NUM_PROCESSES")
-    iname, pid = first("JAX_PROCESS_ID", "PROCESS_ID")
-    if nproc is None or pid is None:
-      missing = [n for n, v in (("JAX_NUM_PROCESSES", nproc), ("JAX_PROCESS_ID", pid))
-                 if v is None]
-      raise ValueError(f"coordinator address {coord!r} is set but {missing} is not; expected "
-                       "JAX_NUM_PROCESSES and JAX_PROCESS_ID as well")
-    kw = dict(coordinator_address=coord,
-              num_processes=int(_parse_int(nproc, nname)),
-              process_id=int(_parse_int(pid, iname)))
-    if not 0 <= kw["process_id"] < kw["num_processes"]:
-      raise ValueError(f"{iname}={pid}: expected 0 <= id < {nname}={nproc}")
-    return kw, f"coordinator {coord} ({kw['num_processes']} processes)"
-  slurm_vars = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
-                "SLURM_LOCALID")
-  if all(v in env for v in slurm_vars) and int(env["SLURM_NTASKS"]) > 1:
-    return {}, f"SLURM job {env['SLURM_JOB_ID']} with {env['SLURM_NTASKS']} tasks"
-  if "OMPI_MCA_orte_hnp_uri" in env and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-    return {}, f"Open MPI launch of {env['OMPI_COMM_WORLD_SIZE']} processes"
-  return None, "no multi-process launcher environment"
-
-
-def maybe_initialize_distributed(env: Mapping[str, str] | None = None,
-                                 initialize: Callable[..., Any] | None = None) -> bool:
-  """Call `jax.distributed.initialize` when the environment describes a multi-process job.
-
-  Must run before anything touches a jax backend. Returns True if it initialised here (False
-  when there is nothing to join or it was already initialised).
-  """
-  kwargs, reason = detect_distributed_env(env)
-  if kwargs is None:
-    log.debug("jax.distributed not initialised: %s", reason)
-    return False
-  if initialize is None:
-    if jax.distributed.is_initialized():
-      log.info("jax.distributed already initialised; not initialising again")
-      return False
-    initialize = jax.distributed.initialize
-  log.info("initialising jax.distributed: %s", reason)
-  initialize(**kwargs)
-  return True

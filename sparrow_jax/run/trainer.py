@@ -22,6 +22,12 @@ Conventions that keep the pieces consistent:
                   it is checkpointed with the run.
   rewards         one process pool scores the whole run (`RewardScorer`); a verifier that
                   runs past `reward_timeout_s` is killed, counted and scores 0.
+  several hosts   each process rolls out its share of the prompt groups on its own devices
+                  (`generate_shared`); the gathered completions make the same step batch on
+                  every process, so rewards, advantages and host arrays are computed
+                  identically everywhere; training arrays are global arrays filled from it,
+                  results are read back with collectives (`distributed.fetch`). Process 0
+                  writes logs and exports; every process takes part in checkpoints.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from flax import nnx
 from sparrow_jax.models.config import ModelConfig, get_config
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import grpo, rewards as rewards_lib
+from sparrow_jax.run import distributed
 from sparrow_jax.run import sharding as sh
 from sparrow_jax.run.checkpointing import Checkpointer
 from sparrow_jax.models import lora as lora_lib
@@ -102,12 +109,23 @@ class Trainer:
     self.quiet = quiet
     # Everything cheap is checked before the (slow) model load.
     checked = checked or preflight(cfg, with_dataset=with_dataset)
-    sh.maybe_initialize_distributed()
+    # A multi-host job is joined by the program's entry point, before jax starts
+    # (`distributed.initialize`); a job described but not joined is an error here.
+    distributed.require_initialized()
     mesh_cfg = sh.parse_mesh(cfg.mesh)
     n_mesh = int(np.prod(mesh_cfg.shape)) if mesh_cfg.is_resolved else jax.device_count()
     if n_mesh > jax.device_count():
       raise ValueError(f"mesh={cfg.mesh!r} needs {n_mesh} devices; {jax.device_count()} "
                        "available")
+    if distributed.is_multi():
+      if n_mesh != jax.device_count():
+        raise ValueError(f"mesh={cfg.mesh!r} has {n_mesh} devices; a run over "
+                         f"{jax.process_count()} processes needs all {jax.device_count()} "
+                         "of theirs (e.g. mesh=data=-1)")
+      if cfg.arrol:
+        raise ValueError(f"arrol=true with {jax.process_count()} processes: ARRoL's head "
+                         "and calibrator are trained on one process's rollouts; expected "
+                         "arrol=false in a multi-process run (not supported yet)")
     self.mesh = sh.make_mesh(mesh_cfg, devices=jax.devices()[:n_mesh])
     if with_dataset:  # a run that cannot fit this machine is refused before the model loads
       self._check_memory(plan_for_model(cfg, get_config(cfg.model, dtype=cfg.dtype,
@@ -138,9 +156,9 @@ class Trainer:
                             logprobs_topk=cfg.monitor_topk,
                             kv_cache_bytes=self.memory_plan.kv_cache_bytes),
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
-        mesh=self.mesh)
+        mesh=self._rollout_mesh())
     self.tx, self.lr_schedule = make_optimizer(cfg)
-    self.opt_state = jax.jit(self.tx.init)(self.params)
+    self.opt_state, self.opt_shardings = self._init_opt(self.tx, self.params)
     # Micro-batches are split over the batch axes (data x fsdp): rows come in multiples.
     self.batch_divisor = sh.batch_divisor(self.mesh)
     self.update_rows = cfg.micro_batch
@@ -181,6 +199,7 @@ class Trainer:
     self.warmstart_done = False
     self.resumed_step: int | None = None
     self.last_rollout = None  # (example of each completion, completions, rewards), last step
+    self.rollout_stats: dict[str, float] = {}  # engine counters of the last rollout
     self.step = 0
     self.bad_steps = 0
     self.compilations = 0
@@ -202,7 +221,7 @@ class Trainer:
                                   cfg.distill_warmup_steps)
             if cfg.distill_warmup_steps else cfg.distill_lr)
       self.lora_tx = distill_lib.default_optimizer(lr)
-      self.lora_opt_state = jax.jit(self.lora_tx.init)(self.lora)
+      self.lora_opt_state, _ = self._init_opt(self.lora_tx, self.lora)
     # Without a dataset this trainer only reads a run (which may still be training).
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
@@ -215,6 +234,22 @@ class Trainer:
                                          seed=cfg.seed + 11)
       self.arrol_stop_ids = arrol_lib.stop_token_ids(self.tokenizer)
     self._build_programs()
+
+  def _init_opt(self, tx, params):
+    """(`tx.init(params)`, its shardings) placed explicitly: moments like their parameters,
+    counters replicated on the mesh. (Left to jit, a counter comes out on one device,
+    uncommitted; restored from a checkpoint it is committed there, which a multi-process
+    program over the global mesh refuses.)"""
+    shardings = sh.opt_state_shardings(jax.eval_shape(tx.init, params),
+                                       jax.tree.map(lambda x: x.sharding, params), self.mesh,
+                                       params)
+    return jax.jit(tx.init, out_shardings=shardings)(params), shardings
+
+  def _rollout_mesh(self) -> jax.sharding.Mesh:
+    """The engine's devices: this process's part of the mesh (each process rolls out its
+    share of the prompts on its own devices; `rollout` gathers the completions)."""
+    mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
+    return jax.sharding.Mesh(np.asarray(mine), ("rollout",))
 
   def _plan_device(self) -> dict:
     """The memory the plan is checked against: this machine's (an accelerator's limit, or the
@@ -250,8 +285,10 @@ class Trainer:
     self.programs = build_programs(
         self.graphdef, cfg, loss_cfg=self.loss_cfg, tx=self.tx, temperature=self.temperature,
         skip_recompute=cfg.skips_recompute, attention=self.attention,
-        lora_tx=getattr(self, "lora_tx", None), dcfg=dcfg, mesh=self.mesh,
-        batch_axes=sh.BATCH_AXES)
+        lora_tx=getattr(self, "lora_tx", None), dcfg=dcfg,
+        apply_shardings=(self.param_shardings, self.opt_shardings,
+                         sh.replicated(self.mesh), sh.replicated(self.mesh)),
+        mesh=self.mesh, batch_axes=sh.BATCH_AXES)
     if count is not None:  # a schedule switch rebuilds the programs: keep counting
       self.programs.count = count
 
@@ -286,7 +323,8 @@ class Trainer:
   def run_micro(self, fn, arrays, plan, *, keys=None, prepare=None) -> dict[str, np.ndarray]:
     """`fn` over every micro-batch of `plan`, inputs placed sharded over the batch axes;
     results as full host arrays (`microbatch.run`)."""
-    return mb_lib.run(fn, arrays, plan, place=self._place, keys=keys, prepare=prepare)
+    return mb_lib.run(fn, arrays, plan, place=self._place, keys=keys, prepare=prepare,
+                      fetch=distributed.fetch)
 
   def engine_release(self) -> None:
     """Free the engine's KV pool while the trainer runs (`release_kv_cache`; the next
@@ -309,7 +347,7 @@ class Trainer:
     if cfg.warmstart_steps <= 0:
       return {}
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.warmstart_lr))
-    opt = tx.init(self.params)
+    opt, opt_shardings = self._init_opt(tx, self.params)
     graphdef = self.graphdef
     seqs = []
     for e in self.examples:
@@ -328,7 +366,9 @@ class Trainer:
       params, opt_state, _, _ = _guarded_apply(tx, params, opt_state, grads, loss)
       return params, opt_state, loss
 
-    sft = jax.jit(sft, donate_argnums=(0, 1))
+    # (the policy keeps its layout: the RL programs compile once for it)
+    sft = jax.jit(sft, donate_argnums=(0, 1), out_shardings=(
+        self.param_shardings, opt_shardings, sh.replicated(self.mesh)))
     rng = np.random.default_rng(cfg.seed + 1)
     losses = []
     for _ in range(cfg.warmstart_steps):
@@ -380,7 +420,25 @@ class Trainer:
     if self.arrol is not None:
       self._arrol_hook = arrol_lib.ArrolHook(self.arrol, self.arrol_stop_ids, seed=cfg.seed,
                                              step=step)
-    return self.engine.generate(reqs, lora=lora, prune=self._arrol_hook)
+    return self.generate_shared(reqs, lora=lora, prune=self._arrol_hook)
+
+  def generate_shared(self, reqs, **kw):
+    """`engine.generate` of `reqs` over every process: each generates the requests of its
+    `distributed.prompt_range` of the prompts on its own devices, then the completions are
+    gathered so every process returns all of them in request order (one process: the
+    engine's result). `self.rollout_stats` holds the engine counters of the call, summed
+    over processes."""
+    if not distributed.is_multi():
+      out = self.engine.generate(reqs, **kw)
+      self.rollout_stats = dict(self.engine.last_stats)
+      return out
+    from sparrow_jax.engine.config import Completion
+    mine = distributed.local_request_index(reqs)
+    local = self.engine.generate([reqs[j] for j in mine], **kw) if len(mine) else []
+    stats = self.engine.last_stats if len(mine) else {}
+    self.rollout_stats = distributed.merge_stats(stats, _ENGINE_METRICS)
+    return distributed.gather_completions(local, mine, reqs, topk=self.cfg.monitor_topk,
+                                          make=Completion)
 
   @property
   def scorer(self) -> rewards_lib.RewardScorer:
@@ -468,7 +526,7 @@ class Trainer:
       t1 = time.perf_counter()
       comp_examples += [examples[c.request_id[0]] for c in new]
       for k in _ENGINE_METRICS:  # summed over refill rounds (the high-water mark: max)
-        v = self.engine.last_stats[k]
+        v = self.rollout_stats[k]
         engine_stats[k] = max(engine_stats[k], v) if k.endswith("_frac") else engine_stats[k] + v
       r, res = self.score(examples, new)
       t_roll, t_score = t_roll + t1 - t0, t_score + time.perf_counter() - t1
@@ -543,7 +601,7 @@ class Trainer:
       per_micro.append(m)
       n_in.append(n)
       if a:
-        mb_lib.scatter(aux, micro, jax.device_get(a), b, t)
+        mb_lib.scatter(aux, micro, distributed.fetch(a), b, t)
     stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_micro)
     metrics = grpo.combine_micro_metrics(stacked, jnp.stack(n_in))
     return jnp.sum(jnp.stack(losses)), metrics, acc, aux
@@ -567,7 +625,7 @@ class Trainer:
         loss, m, grads, aux = self.mini_batch_grads(sub)
         self.params, self.opt_state, ok, gnorm = self.programs.apply(
             self.params, self.opt_state, grads, loss)
-        m = jax.device_get(dict(m, loss=loss, grad_norm=gnorm, finite=ok))
+        m = distributed.fetch(dict(m, loss=loss, grad_norm=gnorm, finite=ok))
         all_finite &= bool(m["finite"])
         metrics.append(m)
         for k, v in aux.items():  # only with the recompute skipped (one mini-batch)
@@ -593,7 +651,7 @@ class Trainer:
       acc, loss, mm = progs.distill_grad(self.lora, acc, self.params, self._place(inputs), den)
       losses.append(loss)
       per_micro.append(mm)
-    metrics = distill_lib.combine_micro_metrics(jax.device_get(per_micro))
+    metrics = distill_lib.combine_micro_metrics(distributed.fetch(per_micro))
     return jnp.sum(jnp.stack(losses)), metrics, acc
 
   def distill_update(self, arrays: dict[str, np.ndarray], plan) -> dict[str, float]:
@@ -603,7 +661,7 @@ class Trainer:
     loss, out, grads = self.distill_grads(arrays, plan)
     self.lora, self.lora_opt_state, am = self.programs.distill_apply(
         self.lora, self.lora_opt_state, grads, loss)
-    out.update({k: float(v) for k, v in jax.device_get(am).items()})
+    out.update({k: float(v) for k, v in distributed.fetch(am).items()})
     out = {f"distill/{k}": v for k, v in out.items()}
     out["time/distill_s"] = time.perf_counter() - t0
     return out
@@ -781,9 +839,10 @@ class Trainer:
     config's `export_dtype`, else `param_dtype`) is the stored weight dtype."""
     from sparrow_jax.models import save_pretrained
     out_dir = out_dir or os.path.join(self.cfg.out_dir, "hf")
-    model = nnx.merge(self.graphdef, jax.device_get(self.params))
-    save_pretrained(model, out_dir, overwrite=True, tokenizer=self.tokenizer,
-                    dtype=dtype or self.cfg.export_dtype)
+    params = distributed.fetch(self.params)  # (FSDP shards of every host: a collective)
+    if distributed.is_writer():  # one writer
+      save_pretrained(nnx.merge(self.graphdef, params), out_dir, overwrite=True,
+                      tokenizer=self.tokenizer, dtype=dtype or self.cfg.export_dtype)
     return out_dir
 
   # --- the loop --------------------------------------------------------------------------
@@ -804,9 +863,11 @@ class Trainer:
                        "call resume() first, or use a new out_dir")
     logger = MetricsLogger(cfg.out_dir, total_steps=cfg.num_steps, tensorboard=cfg.tensorboard,
                            start_step=self.step, quiet=self.quiet, loggers=cfg.loggers,
-                           run_config=cfg.to_dict(), wandb_project=cfg.wandb_project)
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-      json.dump(cfg.to_dict(), f, indent=2)
+                           run_config=cfg.to_dict(), wandb_project=cfg.wandb_project,
+                           writer=distributed.is_writer())
+    if distributed.is_writer():
+      with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
     try:
       return self._fit_steps(logger)
     finally:
@@ -837,6 +898,8 @@ class Trainer:
         if metrics["skipped_update"]:
           logger.event(f"step {self.step}: non-finite loss or gradient, update skipped "
                        f"({self.bad_steps} in a row)")
+        # Every process stops after the same step: a signal on any one counts for all.
+        stop.signame = distributed.agree_stop(stop.signame)
         if self.bad_steps >= cfg.max_bad_steps:
           logger.close()
           raise TrainingStopped(

@@ -238,40 +238,6 @@ def test_batch_sharding_and_divisibility():
     sh.shard_batch({"n": jax.numpy.zeros(())}, mesh)
 
 
-# ----------------------------------------------------------------------------- multi-host
-
-
-def test_detect_distributed_env():
-  assert sh.detect_distributed_env({})[0] is None
-  kw, _ = sh.detect_distributed_env({"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234",
-                                     "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"})
-  assert kw == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
-  kw, _ = sh.detect_distributed_env({"COORDINATOR_ADDRESS": "h:1", "NUM_PROCESSES": "2",
-                                     "PROCESS_ID": "0"})
-  assert kw["num_processes"] == 2
-  with pytest.raises(ValueError, match="JAX_PROCESS_ID"):
-    sh.detect_distributed_env({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2"})
-  with pytest.raises(ValueError, match="expected 0 <= id"):
-    sh.detect_distributed_env({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2",
-                               "JAX_PROCESS_ID": "2"})
-  slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2",
-           "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
-  assert sh.detect_distributed_env(slurm)[0] == {}
-  assert sh.detect_distributed_env({**slurm, "SLURM_NTASKS": "1"})[0] is None
-  assert sh.detect_distributed_env({"SLURM_JOB_ID": "7"})[0] is None
-  assert sh.detect_distributed_env({"OMPI_MCA_orte_hnp_uri": "x",
-                                    "OMPI_COMM_WORLD_SIZE": "4"})[0] == {}
-
-
-def test_maybe_initialize_distributed_calls_only_when_present():
-  calls = []
-  assert sh.maybe_initialize_distributed({}, initialize=lambda **kw: calls.append(kw)) is False
-  assert sh.maybe_initialize_distributed() is False  # this test process: no launcher env
-  env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
-  assert sh.maybe_initialize_distributed(env, initialize=lambda **kw: calls.append(kw)) is True
-  assert calls == [{"coordinator_address": "h:1", "num_processes": 2, "process_id": 1}]
-
-
 # ----------------------------------------------------------------------------- 8 devices
 
 
