@@ -210,11 +210,12 @@ PIPELINE = (("generate", generate), ("batch", batch), ("recompute", recompute),
             ("monitor", monitor), ("ladder", ladder), ("arrol", arrol), ("metrics", metrics))
 
 
-def run_step(tr, step: int) -> StepBatch:
-  """Run every stage of `PIPELINE` on a fresh step batch; returns it (metrics in `.out`)."""
+def run_step(tr, step: int, pipeline=None) -> StepBatch:
+  """Run every stage of `pipeline` (default `PIPELINE`; a profiler passes it with its stages
+  wrapped) on a fresh step batch; returns it (metrics in `.out`)."""
   sb = StepBatch(step=step)
   t0 = time.perf_counter()
-  for name, stage in PIPELINE:
+  for name, stage in (PIPELINE if pipeline is None else pipeline):
     t1 = time.perf_counter()
     stage(tr, sb)
     sb.times.setdefault(name, time.perf_counter() - t1)

@@ -139,7 +139,7 @@ class Trainer:
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
         mesh=self.mesh)
     self.tx, self.lr_schedule = make_optimizer(cfg)
-    self.opt_state = jax.jit(self.tx.init)(self.params)
+    self.opt_state = self._init_opt_state(self.tx, self.params, self.param_shardings)
     # Micro-batches are split over the batch axes (data x fsdp): rows come in multiples.
     self.batch_divisor = sh.batch_divisor(self.mesh)
     self.update_rows = cfg.micro_batch
@@ -196,12 +196,13 @@ class Trainer:
       lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                  targets=cfg.lora_targets)
       lora = lora_lib.init_lora(self.model_cfg, lcfg, jax.random.PRNGKey(cfg.seed + 7))
-      self.lora = sh.shard_tree(lora, sh.param_shardings(lora, self.mesh))
+      lora_shardings = sh.param_shardings(lora, self.mesh)
+      self.lora = sh.shard_tree(lora, lora_shardings)
       lr = (optax.linear_schedule(cfg.distill_lr / cfg.distill_warmup_steps, cfg.distill_lr,
                                   cfg.distill_warmup_steps)
             if cfg.distill_warmup_steps else cfg.distill_lr)
       self.lora_tx = distill_lib.default_optimizer(lr)
-      self.lora_opt_state = jax.jit(self.lora_tx.init)(self.lora)
+      self.lora_opt_state = self._init_opt_state(self.lora_tx, self.lora, lora_shardings)
     # Without a dataset this trainer only reads a run (which may still be training).
     self.checkpointer = Checkpointer(os.path.join(os.path.abspath(cfg.out_dir), "checkpoints"),
                                      keep_last=cfg.keep_last,
@@ -214,6 +215,14 @@ class Trainer:
                                          seed=cfg.seed + 11)
       self.arrol_stop_ids = arrol_lib.stop_token_ids(self.tokenizer)
     self._build_programs()
+
+  def _init_opt_state(self, tx, tree, shardings):
+    """`tx.init(tree)` laid out as the guarded apply returns it (moments like their
+    parameters, step counts replicated over the mesh). A plain `jit(tx.init)` leaves the
+    counts on one device, so the first update's output differs in sharding from its input
+    and every later step compiles the apply programs again."""
+    out = sh.opt_state_shardings(jax.eval_shape(tx.init, tree), shardings, self.mesh, tree)
+    return jax.jit(tx.init, out_shardings=out)(tree)
 
   def _plan_device(self) -> dict:
     """The memory the plan is checked against: this machine's (an accelerator's limit, or the
