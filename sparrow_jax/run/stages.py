@@ -94,14 +94,15 @@ def batch(tr, sb: StepBatch) -> None:
 def recompute(tr, sb: StepBatch) -> None:
   a = sb.arrays
   if not tr.programs.skip_recompute:
+    # prompt_lens: the LM head runs over the responses' window only (run/programs.py)
     res = tr.run_micro(lambda mb: tr.programs.logprobs(tr.params, mb), a, sb.logprob_plan,
-                       keys=("tokens", "lengths"))
+                       keys=("tokens", "lengths", "prompt_lens"))
     a["old_logp"] = res["logp"]
     if "topk_ids" in res:
       a["dense_topk_ids"], a["dense_topk_logp"] = res["topk_ids"], res["topk_logp"]
   if tr.ref_params is not None:
     res = tr.run_micro(lambda mb: tr.programs.ref_logprobs(tr.ref_params, mb), a,
-                       sb.logprob_plan, keys=("tokens", "lengths"))
+                       sb.logprob_plan, keys=("tokens", "lengths", "prompt_lens"))
     a["ref_logp"] = res["logp"]
 
 
