@@ -115,11 +115,15 @@ def model_terms(mc) -> dict[str, float]:
               kv_token_bytes=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4)
 
 
-def forward_work(m: dict, rows: int, length: int, param_bytes: int) -> tuple[float, float]:
-  """(FLOPs, bytes) of one teacher-forced forward over rows x length tokens."""
+def forward_work(m: dict, rows: int, length: int, param_bytes: int,
+                 head: int | None = None) -> tuple[float, float]:
+  """(FLOPs, bytes) of one teacher-forced forward over rows x length tokens, the LM head over
+  `head` positions per row (the response window; default all)."""
   tok = rows * length
-  flops = tok * (2 * (m["layers"] * m["layer_params"] + m["lm_params"]) + m["attn"] * length / 2)
-  nbytes = param_bytes + 4 * tok * (m["act_floats"] + 3 * m["vocab"])
+  head_tok = rows * min(head or length, length)
+  flops = tok * (2 * m["layers"] * m["layer_params"] + m["attn"] * length / 2) + \
+      head_tok * 2 * m["lm_params"]
+  nbytes = param_bytes + 4 * tok * m["act_floats"] + 4 * head_tok * 3 * m["vocab"]
   return flops, nbytes
 
 
@@ -139,8 +143,14 @@ def phase_work(tr, sb, m: dict, param_bytes: int) -> dict[str, tuple[float, floa
   by += steps * param_bytes + new * ctx * m["kv_token_bytes"]
   out["rollout"] = (fl, by)
   lengths = sb.arrays["lengths"]
+  # The LM head's window (run/programs.py), where this checkout's programs have one.
+  import inspect
+  from sparrow_jax.run import programs
+  head = (tr.cfg.max_new_tokens if "response_window" in
+          inspect.signature(programs.make_grad_step).parameters else None)
   if not tr.programs.skip_recompute:
-    out["recompute"] = tuple(map(sum, zip(*[forward_work(m, mb.rows, mb.length, param_bytes)
+    out["recompute"] = tuple(map(sum, zip(*[forward_work(m, mb.rows, mb.length, param_bytes,
+                                                         head)
                                             for mb in sb.logprob_plan])))
   else:
     out["recompute"] = (0.0, 0.0)
@@ -148,7 +158,7 @@ def phase_work(tr, sb, m: dict, param_bytes: int) -> dict[str, tuple[float, floa
   fl = by = 0.0
   for s in range(0, len(lengths), tr.cfg.mini_batch):
     for mb in tr.update_plan(lengths[s:s + tr.cfg.mini_batch]):
-      f, b = forward_work(m, mb.rows, mb.length, param_bytes)
+      f, b = forward_work(m, mb.rows, mb.length, param_bytes, head)
       fl, by = fl + passes * f, by + passes * b
     by += 7 * param_bytes  # Adam: read p, g, m, v; write p, m, v
   out["update"] = (fl * tr.cfg.ppo_epochs, by * tr.cfg.ppo_epochs)
