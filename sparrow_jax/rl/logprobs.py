@@ -90,20 +90,17 @@ def exact_top_k(x, k: int, *, block: int = _TOPK_BLOCK):
   return vals, ids.astype(jnp.int32)
 
 
-def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: int = 0,
-                    with_entropy: bool = False, temperature: float = 1.0) -> TokenStats:
-  """Stats from final hidden states `[B, T, D]` (pre final norm) and tokens `[B, T]`, of
-  softmax(logits / temperature); the LM head runs over about `chunk` tokens at a time."""
-  if not temperature > 0:
-    raise ValueError(f"logits_to_stats: temperature={temperature!r}; expected > 0")
-  b, t, d = hidden.shape
-  chunk = time_chunk(chunk, b, t)
-  # Position t predicts token t + 1: shift targets left; the last position predicts nothing.
-  targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
-  nc = -(-t // chunk)
-  pad = nc * chunk - t
-  h = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, chunk, d).swapaxes(0, 1)
-  tg = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, nc, chunk).swapaxes(0, 1)
+def _chunked_stats(model: Decoder, h, tg, *, chunk: int, topk: int, with_entropy: bool,
+                   temperature: float) -> list:
+  """Per-position stats of hidden states `h [B, S, D]` scoring targets `tg [B, S]`: the LM
+  head over about `chunk` tokens at a time -> [logp, (entropy), (topk ids, topk logp)], each
+  [B, S, ...]."""
+  b, s_len, d = h.shape
+  chunk = time_chunk(chunk, b, s_len)
+  nc = -(-s_len // chunk)
+  pad = nc * chunk - s_len
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(b, nc, chunk, d).swapaxes(0, 1)
+  tg = jnp.pad(tg, ((0, 0), (0, pad))).reshape(b, nc, chunk).swapaxes(0, 1)
 
   @jax.checkpoint
   def one(args):
@@ -121,29 +118,66 @@ def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: i
     return tuple(out)
 
   res = jax.lax.map(one, (h, tg))
-  unchunk = lambda x: x.swapaxes(0, 1).reshape(b, nc * chunk, *x.shape[3:])[:, :t]
-  res = [unchunk(x) for x in res]
-  # Shift back so logp[:, t] scores tokens[:, t]; position 0 has no prediction.
-  shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
-  logp = shift(res[0])
+  return [x.swapaxes(0, 1).reshape(b, nc * chunk, *x.shape[3:])[:, :s_len] for x in res]
+
+
+def logits_to_stats(model: Decoder, hidden, tokens, *, chunk: int = 128, topk: int = 0,
+                    with_entropy: bool = False, temperature: float = 1.0,
+                    window: tuple | None = None) -> TokenStats:
+  """Stats from final hidden states `[B, T, D]` (pre final norm) and tokens `[B, T]`, of
+  softmax(logits / temperature); the LM head runs over about `chunk` tokens at a time.
+
+  `window = (start [B] int, width: static int)`: stats only of tokens[b, start_b :
+  start_b + width] (a response after its prompt); every other position gets 0 (top-k: id
+  0, log-prob 0). Training needs log-probs of response tokens only, and on a short response
+  after a long prompt the LM head over every position (a fifth of a SmolLM2 forward's
+  multiply-adds, plus a log-softmax over 49,152 entries per position) is mostly waste.
+  """
+  if not temperature > 0:
+    raise ValueError(f"logits_to_stats: temperature={temperature!r}; expected > 0")
+  b, t, _ = hidden.shape
+  kw = dict(chunk=chunk, topk=topk, with_entropy=with_entropy, temperature=temperature)
+  if window is None:
+    # Position t predicts token t + 1: shift targets left; the last position predicts nothing.
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), tokens.dtype)], axis=1)
+    res = _chunked_stats(model, hidden, targets, **kw)
+    # Shift back so logp[:, t] scores tokens[:, t]; position 0 has no prediction.
+    place = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+  else:
+    start, width = window
+    if not isinstance(width, int) or width < 1:
+      raise ValueError(f"logits_to_stats: window width={width!r}; expected a positive int")
+    width = min(width, t)
+    pos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(width, dtype=jnp.int32)  # [B, W]
+    src = jnp.clip(pos - 1, 0, t - 1)  # the hidden state that predicts tokens[pos]
+    hw = jnp.take_along_axis(hidden, src[..., None], axis=1)  # [B, W, D]
+    tw = jnp.take_along_axis(tokens, jnp.clip(pos, 0, t - 1), axis=1)  # [B, W]
+    res = _chunked_stats(model, hw, tw, **kw)
+    rows = jnp.arange(b)[:, None]
+    # Positions past T (a window that overhangs the row) are dropped; position 0 (start 0)
+    # has no prediction.
+    ok = (pos >= 1)
+    place = lambda x: jnp.zeros((b, t) + x.shape[2:], x.dtype).at[rows, pos].set(
+        jnp.where(ok.reshape(ok.shape + (1,) * (x.ndim - 2)), x, 0), mode="drop")
+  logp = place(res[0])
   i = 1
   entropy = None
   if with_entropy:
-    entropy = shift(res[i])
+    entropy = place(res[i])
     i += 1
   topk_ids = topk_logp = None
   if topk:
-    topk_ids, topk_logp = shift(res[i]), shift(res[i + 1])
+    topk_ids, topk_logp = place(res[i]), place(res[i + 1])
   return TokenStats(logp=logp, entropy=entropy, topk_ids=topk_ids, topk_logp=topk_logp)
 
 
 def token_logprobs(model: Decoder, tokens, *, lengths=None, attention=None, budgets=None,
                    prompt_lengths=None, lora=None, chunk: int = 128, topk: int = 0,
                    with_entropy: bool = False, remat: bool = False,
-                   temperature: float = 1.0) -> TokenStats:
+                   temperature: float = 1.0, window: tuple | None = None) -> TokenStats:
   """Teacher-forced per-token stats of `tokens [B, T]` (dense or block-sparse, ± LoRA) under
-  softmax(logits / temperature)."""
+  softmax(logits / temperature); `window`: see `logits_to_stats`."""
   hidden = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
                                prompt_lengths=prompt_lengths, lora=lora, remat=remat)
   return logits_to_stats(model, hidden, tokens, chunk=chunk, topk=topk,
-                         with_entropy=with_entropy, temperature=temperature)
+                         with_entropy=with_entropy, temperature=temperature, window=window)

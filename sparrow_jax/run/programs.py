@@ -21,7 +21,10 @@ XLA's memory analysis at the preset's real shapes.
 
 Micro-batch keys (host arrays gathered by the driver): tokens [R, L], lengths [R], mask
 [R, L], old_logp [R, L], advantages [R], rollout_logp [R, L], ref_logp [R, L],
-prompt_lens [R], budgets [R, L].
+prompt_lens [R], budgets [R, L]. With `prompt_lens` in its micro-batch, `logprobs` and
+`grad_step` run the LM head over each row's response window only (`max_new_tokens` from
+its prompt length; log-probs elsewhere are 0): everything a step reads from them (the GRPO
+loss, the monitor, DistillSparse's teacher, the KL reference) is masked to responses.
 """
 
 from __future__ import annotations
@@ -65,14 +68,26 @@ def _zeros(tree):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
+def _window(mb, response_window: int | None):
+  """The LM head's window over a micro-batch's responses (`logits_to_stats`): tokens from
+  each row's prompt length on, `response_window` (the longest response a run can have)
+  wide; None (every position) without one or when the micro-batch has no prompt lengths."""
+  if not response_window or "prompt_lens" not in mb:
+    return None
+  return mb["prompt_lens"], int(response_window)
+
+
 def make_logprobs(graphdef, *, chunk: int, temperature: float, topk: int,
+                  response_window: int | None = None,
                   count: Callable[[], None] = lambda: None, hints=(None, ())):
-  """The no-grad recompute of one micro-batch: {"logp"} (+ {"topk_ids", "topk_logp"})."""
+  """The no-grad recompute of one micro-batch: {"logp"} (+ {"topk_ids", "topk_logp"}),
+  over the responses' window only when the micro-batch carries prompt lengths."""
 
   def fn(params, mb):
     count()
     st = token_logprobs(nnx.merge(graphdef, params), mb["tokens"], lengths=mb["lengths"],
-                        chunk=chunk, topk=topk, temperature=temperature)
+                        chunk=chunk, topk=topk, temperature=temperature,
+                        window=_window(mb, response_window))
     out = {"logp": st.logp}  # [R, L]
     if topk:
       out.update(topk_ids=st.topk_ids, topk_logp=st.topk_logp)  # [R, L, k]
@@ -83,6 +98,7 @@ def make_logprobs(graphdef, *, chunk: int, temperature: float, topk: int,
 
 def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, temperature: float,
                    remat: bool, with_entropy: bool, skip_recompute: bool, topk: int,
+                   response_window: int | None = None,
                    count: Callable[[], None] = lambda: None, hints=(None, ())):
   """One micro-batch of the GRPO loss; see the module docstring."""
 
@@ -90,7 +106,8 @@ def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, tempe
     model = nnx.merge(graphdef, params)
     st = token_logprobs(model, mb["tokens"], lengths=mb["lengths"], chunk=chunk,
                         with_entropy=with_entropy, remat=remat, temperature=temperature,
-                        topk=topk if skip_recompute else 0)
+                        topk=topk if skip_recompute else 0,
+                        window=_window(mb, response_window))
     old = jax.lax.stop_gradient(st.logp) if skip_recompute else mb["old_logp"]
     loss, metrics = grpo.grpo_loss(st.logp, old, mb["advantages"], mb["mask"], loss_cfg,
                                    ref_logp=mb.get("ref_logp"),
@@ -200,15 +217,17 @@ def build_programs(graphdef, cfg, *, loss_cfg: grpo.GRPOLossConfig, tx, temperat
   count = Counter()
   hints = (mesh, tuple(batch_axes))
   chunk, topk = cfg.logprob_chunk, cfg.monitor_topk
+  # Responses are at most max_new_tokens long: the log-probs the step uses lie in that window.
+  win = cfg.max_new_tokens
   progs = Programs(
       logprobs=make_logprobs(graphdef, chunk=chunk, temperature=temperature, topk=topk,
-                             count=count, hints=hints),
+                             response_window=win, count=count, hints=hints),
       ref_logprobs=make_logprobs(graphdef, chunk=chunk, temperature=temperature, topk=0,
-                                 count=count, hints=hints),
+                                 response_window=win, count=count, hints=hints),
       grad_step=make_grad_step(graphdef, loss_cfg, chunk=chunk, temperature=temperature,
                                remat=cfg.remat, with_entropy=cfg.entropy_coeff > 0,
-                               skip_recompute=skip_recompute, topk=topk, count=count,
-                               hints=hints),
+                               skip_recompute=skip_recompute, topk=topk,
+                               response_window=win, count=count, hints=hints),
       apply=make_apply(tx, count, apply_shardings, hints=hints), zeros=make_zeros(),
       count=count,
       skip_recompute=skip_recompute)

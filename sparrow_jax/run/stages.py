@@ -94,14 +94,15 @@ def batch(tr, sb: StepBatch) -> None:
 def recompute(tr, sb: StepBatch) -> None:
   a = sb.arrays
   if not tr.programs.skip_recompute:
+    # prompt_lens: the LM head runs over the responses' window only (run/programs.py)
     res = tr.run_micro(lambda mb: tr.programs.logprobs(tr.params, mb), a, sb.logprob_plan,
-                       keys=("tokens", "lengths"))
+                       keys=("tokens", "lengths", "prompt_lens"))
     a["old_logp"] = res["logp"]
     if "topk_ids" in res:
       a["dense_topk_ids"], a["dense_topk_logp"] = res["topk_ids"], res["topk_logp"]
   if tr.ref_params is not None:
     res = tr.run_micro(lambda mb: tr.programs.ref_logprobs(tr.ref_params, mb), a,
-                       sb.logprob_plan, keys=("tokens", "lengths"))
+                       sb.logprob_plan, keys=("tokens", "lengths", "prompt_lens"))
     a["ref_logp"] = res["logp"]
 
 
@@ -210,11 +211,12 @@ PIPELINE = (("generate", generate), ("batch", batch), ("recompute", recompute),
             ("monitor", monitor), ("ladder", ladder), ("arrol", arrol), ("metrics", metrics))
 
 
-def run_step(tr, step: int) -> StepBatch:
-  """Run every stage of `PIPELINE` on a fresh step batch; returns it (metrics in `.out`)."""
+def run_step(tr, step: int, pipeline=None) -> StepBatch:
+  """Run every stage of `pipeline` (default `PIPELINE`; a profiler passes it with its stages
+  wrapped) on a fresh step batch; returns it (metrics in `.out`)."""
   sb = StepBatch(step=step)
   t0 = time.perf_counter()
-  for name, stage in PIPELINE:
+  for name, stage in (PIPELINE if pipeline is None else pipeline):
     t1 = time.perf_counter()
     stage(tr, sb)
     sb.times.setdefault(name, time.perf_counter() - t1)

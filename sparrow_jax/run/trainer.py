@@ -216,7 +216,8 @@ class Trainer:
       lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                  targets=cfg.lora_targets)
       lora = lora_lib.init_lora(self.model_cfg, lcfg, jax.random.PRNGKey(cfg.seed + 7))
-      self.lora = sh.shard_tree(lora, sh.param_shardings(lora, self.mesh))
+      lora_shardings = sh.param_shardings(lora, self.mesh)
+      self.lora = sh.shard_tree(lora, lora_shardings)
       lr = (optax.linear_schedule(cfg.distill_lr / cfg.distill_warmup_steps, cfg.distill_lr,
                                   cfg.distill_warmup_steps)
             if cfg.distill_warmup_steps else cfg.distill_lr)
@@ -488,6 +489,9 @@ class Trainer:
     prompt_lens = np.ones((b,), np.int32)
     for j, c in enumerate(completions):
       p, n = len(c.prompt_ids), len(c.token_ids)
+      if n > self.cfg.max_new_tokens:  # the programs' LM-head window would miss tokens
+        raise ValueError(f"completion {c.request_id}: {n} response tokens > max_new_tokens="
+                         f"{self.cfg.max_new_tokens}")
       tokens[j, :p] = c.prompt_ids
       tokens[j, p:p + n] = c.token_ids
       mask[j, p:p + n] = 1
@@ -562,14 +566,15 @@ class Trainer:
     reference's log-probs when there is one), micro-batched: {"old_logp", "dense_topk_ids",
     "dense_topk_logp"[, "ref_logp"]} host arrays aligned with `arrays["tokens"]`."""
     plan = self.logprob_plan(arrays["lengths"])
+    keys = tuple(k for k in ("tokens", "lengths", "prompt_lens") if k in arrays)
     res = self.run_micro(lambda mb: self.programs.logprobs(self.params, mb), arrays, plan,
-                         keys=("tokens", "lengths"))
+                         keys=keys)
     out = {"old_logp": res["logp"], "dense_topk_ids": res.get("topk_ids"),
            "dense_topk_logp": res.get("topk_logp")}
     if self.ref_params is not None:
       out["ref_logp"] = self.run_micro(
           lambda mb: self.programs.ref_logprobs(self.ref_params, mb), arrays, plan,
-          keys=("tokens", "lengths"))["logp"]
+          keys=keys)["logp"]
     return out
 
   def mini_batch_grads(self, arrays: dict[str, np.ndarray], params=None):
@@ -585,7 +590,8 @@ class Trainer:
         old_logp=None if "old_logp" not in arrays else jnp.asarray(arrays["old_logp"]),
         rollout_logp=(None if "rollout_logp" not in arrays
                       else jnp.asarray(arrays["rollout_logp"]))))
-    keys = [k for k in ("tokens", "lengths", "mask", "advantages", "old_logp", "rollout_logp",
+    keys = [k for k in ("tokens", "lengths", "prompt_lens", "mask", "advantages", "old_logp",
+                        "rollout_logp",
                         "ref_logp") if k in arrays]
     if not self.loss_cfg.uses_rollout_correction:
       keys = [k for k in keys if k != "rollout_logp"]

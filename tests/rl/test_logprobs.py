@@ -69,3 +69,33 @@ def test_top_k_stats_match_a_full_log_softmax():
   np.testing.assert_array_equal(np.asarray(st.topk_ids[:, 1:]), np.asarray(want_ids))
   np.testing.assert_allclose(np.asarray(st.topk_logp[:, 1:]), np.asarray(want_vals),
                              atol=1e-5)
+
+
+def test_response_window_equals_the_full_stats_on_responses():
+  """The LM head over each row's response window gives the full path's log-probs, entropy and
+  top-k there (0 elsewhere), and the same gradient of a response-masked loss."""
+  from flax import nnx
+  cfg = get_config("tiny", vocab_size=1024, num_layers=1)
+  graphdef, state = nnx.split(init_model(cfg, seed=5))
+  rng = np.random.default_rng(1)
+  b, t, width = 3, 24, 8
+  tokens = jnp.asarray(rng.integers(0, 1024, (b, t)), jnp.int32)
+  prompt = jnp.asarray([5, 16, 20], jnp.int32)  # the last row's window overhangs the row
+  pos = np.arange(t)[None, :]
+  resp = (pos >= np.asarray(prompt)[:, None]) & (pos < np.asarray(prompt)[:, None] + width)
+  mask = jnp.asarray(resp, jnp.float32)
+
+  def stats(st, window):
+    return logprobs.token_logprobs(nnx.merge(graphdef, st), tokens, chunk=8, topk=4,
+                                   with_entropy=True, window=window)
+
+  def both(st, prompt):  # one program: one compile
+    grad = lambda w: jax.grad(lambda s: jnp.sum(stats(s, w).logp * mask))(st)
+    return stats(st, None), stats(st, (prompt, width)), grad(None), grad((prompt, width))
+
+  full, win, g_full, g_win = jax.jit(both)(state, prompt)
+  for name in ("logp", "entropy", "topk_ids", "topk_logp"):
+    f, w = np.asarray(getattr(full, name)), np.asarray(getattr(win, name))
+    m = resp if f.ndim == 2 else resp[..., None]
+    np.testing.assert_allclose(np.where(m, f, 0), w, atol=1e-5, err_msg=name)
+  jax.tree.map(lambda a, c: np.testing.assert_allclose(a, c, atol=1e-5), g_full, g_win)

@@ -179,6 +179,19 @@ def test_monitor_and_distill_count_every_response_token(ds_step):
   assert out["distill/num_tokens"] == n_resp
 
 
+def test_optimizer_state_starts_in_the_layout_the_update_returns(ds_step):
+  """A fresh optimizer state is laid out as the guarded apply returns it (counts replicated
+  on the mesh, not on one device): otherwise step 2 compiles the apply programs again."""
+  tr = ds_step[0]
+  for tx, tree, after in ((tr.tx, tr.params, tr.opt_state),
+                          (tr.lora_tx, tr.lora, tr.lora_opt_state)):
+    fresh, _ = tr._init_opt(tx, tree)
+    for x, y in zip(jax.tree.leaves(fresh), jax.tree.leaves(after), strict=True):
+      # jit keys on the sharding's kind: one device is not a mesh, even a 1-device one
+      assert type(x.sharding) is type(y.sharding), (x.sharding, y.sharding)
+      assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (x.sharding, y.sharding)
+
+
 # --- 5. temperature ----------------------------------------------------------------------------
 
 def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
