@@ -157,9 +157,11 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
 
   r, l = worst_micro_batch(cfg, div, grad=False)
   if not cfg.skips_recompute:
-    run("recompute", progs.logprobs, (params, batch(r, l, ("tokens", "lengths"))), r, l)
+    run("recompute", progs.logprobs,
+        (params, batch(r, l, ("tokens", "lengths", "prompt_lens"))), r, l)
   if cfg.kl_coef > 0:
-    run("reference", progs.ref_logprobs, (params, batch(r, l, ("tokens", "lengths"))), r, l)
+    run("reference", progs.ref_logprobs,
+        (params, batch(r, l, ("tokens", "lengths", "prompt_lens"))), r, l)
   if cfg.ladder.strip():
     from sparrow_jax.rl.switching import _probe_alpha
     cand = build_schedule(cfg, cfg.ladder.split(",")[0].strip())
@@ -171,7 +173,7 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
     run("probe", probe, (params, lora, batch(r, l, ("tokens", "budgets", "prompt_lens",
                                                     "lengths")), scalar), r, l)
   r, l = worst_micro_batch(cfg, div, grad=True)
-  keys = ["tokens", "lengths", "mask", "advantages"]
+  keys = ["tokens", "lengths", "mask", "advantages", "prompt_lens"]  # (as the trainer's)
   if not cfg.skips_recompute:
     keys.append("old_logp")
   if loss_cfg.uses_rollout_correction:
