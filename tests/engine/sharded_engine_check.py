@@ -5,7 +5,8 @@ on the last line.
 1. Engine: the same requests (distinct prompts, more requests than one device's slots, a pool
    that forces preemption on the 1-device engine) on a 1-device engine and on an engine whose
    mesh spans 8 devices: tokens identical, log-probs equal to 1e-5, for dense and block-sparse
-   attention, greedy and temperature 1; the pool is really split (one block per device).
+   attention (greedy dense, temperature-1 sparse: the rollouts training samples); the pool is
+   really split (one block per device).
 2. Trainer: 2 steps of the tiny run with mesh=data=2,fsdp=4 (rollouts on all 8 devices,
    parameters resharded from the FSDP layout each step) against mesh=data=1,fsdp=1.
 """
@@ -38,26 +39,26 @@ def engine_part():
   prompts = [list(rng.integers(3, 500, int(n))) for n in rng.integers(5, 30, 20)]
   mesh8 = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "fsdp"))
   out = {}
-  for name, att in (("dense", None),
-                    ("sparse", BlockSparse(max_budget=1, page_size=4, dense_layers=(0,)))):
-    for temp in (0.0, 1.0):
-      reqs = [Request(p, SamplingParams(temperature=temp, max_new_tokens=24, seed=i), i)
-              for i, p in enumerate(prompts)]
-      ecfg = dict(max_seq_len=64, page_size=4, decode_chunk=4)
-      one = GenerationEngine(model, EngineConfig(num_slots=4, num_pages=40, **ecfg),
-                             attention=att)
-      eight = GenerationEngine(model, EngineConfig(num_slots=2, num_pages=24, **ecfg),
-                               attention=att, mesh=mesh8)
-      a, b = one.generate(reqs), eight.generate(reqs)
-      same = all(list(x.token_ids) == list(y.token_ids) for x, y in zip(a, b))
-      lp = max(float(np.max(np.abs(x.logprobs - y.logprobs))) for x, y in zip(a, b))
-      shards = {d.id for d in eight._kv.k[0].sharding.device_set}
-      block = eight._kv.k[0].addressable_shards[0].data.shape
-      out[f"{name}_t{temp:g}"] = dict(
-          same_tokens=same, max_logprob_diff=lp, devices=len(shards),
-          shard_pages=int(block[1]), global_pages=int(eight._kv.k[0].shape[1]),
-          preemptions_1dev=one.last_stats["preemptions"],
-          admissions_per_device=list(eight.last_scheduler.stats.shard_admissions))
+  for name, att, temp in (("dense", None, 0.0),
+                          ("sparse", BlockSparse(max_budget=1, page_size=4, dense_layers=(0,)),
+                           1.0)):
+    reqs = [Request(p, SamplingParams(temperature=temp, max_new_tokens=24, seed=i), i)
+            for i, p in enumerate(prompts)]
+    ecfg = dict(max_seq_len=64, page_size=4, decode_chunk=4)
+    one = GenerationEngine(model, EngineConfig(num_slots=4, num_pages=40, **ecfg),
+                           attention=att)
+    eight = GenerationEngine(model, EngineConfig(num_slots=2, num_pages=24, **ecfg),
+                             attention=att, mesh=mesh8)
+    a, b = one.generate(reqs), eight.generate(reqs)
+    same = all(list(x.token_ids) == list(y.token_ids) for x, y in zip(a, b))
+    lp = max(float(np.max(np.abs(x.logprobs - y.logprobs))) for x, y in zip(a, b))
+    shards = {d.id for d in eight._kv.k[0].sharding.device_set}
+    block = eight._kv.k[0].addressable_shards[0].data.shape
+    out[f"{name}_t{temp:g}"] = dict(
+        same_tokens=same, max_logprob_diff=lp, devices=len(shards),
+        shard_pages=int(block[1]), global_pages=int(eight._kv.k[0].shape[1]),
+        preemptions_1dev=one.last_stats["preemptions"],
+        admissions_per_device=list(eight.last_scheduler.stats.shard_admissions))
   return out
 
 

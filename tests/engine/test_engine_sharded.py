@@ -26,7 +26,7 @@ def result(tmp_path_factory):
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["dense_t0", "dense_t1", "sparse_t0", "sparse_t1"])
+@pytest.mark.parametrize("case", ["dense_t0", "sparse_t1"])
 def test_sharded_engine_equals_one_device(result, case):
   r = result["engine"][case]
   assert r["same_tokens"], r
