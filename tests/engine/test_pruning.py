@@ -2,6 +2,8 @@
 the decode step, group decisions, and pruned sequences leaving at once — dense and
 block-sparse attention, with a LoRA sparse actor and under preemption."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -67,16 +69,31 @@ def _instrument(eng, events):
   eng._prefill, eng._dispatch = p, d
 
 
-def _hidden_at(model, tokens, pos, attention=None, lora=None, prompt_len=None, page=None):
-  """Final-normed hidden state of a teacher-forced forward at position `pos`."""
-  t = jnp.asarray([tokens], jnp.int32)
+_PAD = 64  # every reference forward at one padded length (max_seq_len): one compile per
+# attention kind (causal, and a position's page selection reads only keys up to it, so the
+# padding after `pos` changes nothing there)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 6))
+def _padded_hidden(graphdef, state, tokens, attention, lora, prompt_len, page):
+  model = nnx.merge(graphdef, state)
   kw = {}
   if attention is not None:
-    kw = dict(attention=attention, lora=lora, prompt_lengths=jnp.asarray([prompt_len]),
+    kw = dict(attention=attention, lora=lora, prompt_lengths=prompt_len,
               budgets=teacher_forced_budgets(as_schedule(attention.max_budget, page_size=page),
-                                             len(tokens), 1))
-  h = model.hidden_states(t, **kw)
-  return np.asarray(model.final_norm(h)[0, pos])
+                                             tokens.shape[1], 1))
+  return model.final_norm(model.hidden_states(tokens, **kw))[0]
+
+
+def _hidden_at(model, tokens, pos, attention=None, lora=None, prompt_len=None, page=None):
+  """Final-normed hidden state of a teacher-forced forward at position `pos`."""
+  assert len(tokens) <= _PAD
+  t = np.zeros((1, _PAD), np.int32)
+  t[0, :len(tokens)] = tokens
+  plen = jnp.asarray([prompt_len if prompt_len is not None else 0], jnp.int32)
+  graphdef, state = nnx.split(model)
+  return np.asarray(_padded_hidden(graphdef, state, jnp.asarray(t), attention, lora, plen,
+                                   page))[pos]
 
 
 CASES = {
