@@ -132,11 +132,6 @@ def _first_hour(tmp_path, monkeypatch, capsys, *, shrink: bool):
   return train, main_records
 
 
-def test_readme_walkthrough(tmp_path, monkeypatch, capsys):
-  """Fast variant: the README's commands in order with both trainings cut to a few steps."""
-  _first_hour(tmp_path, monkeypatch, capsys, shrink=True)
-
-
 @pytest.mark.slow
 def test_readme_first_hour_as_written(tmp_path, monkeypatch, capsys):
   """A newcomer's first hour, every command exactly as the README writes it: the full
