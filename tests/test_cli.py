@@ -87,9 +87,9 @@ def _drive(cmd: str, monkeypatch, capsys):
   return CLIS[argv[1]].main(argv[2:]), capsys.readouterr()
 
 
-def _first_hour(tmp_path, monkeypatch, capsys, *, shrink: bool):
+def _first_hour(tmp_path, monkeypatch, capsys):
   """The main job's first command, then every command of the walkthrough block, as written,
-  from a fresh folder; `shrink`: both trainings cut to a few steps (the fast variant)."""
+  from a fresh folder."""
   monkeypatch.chdir(tmp_path)
   (tmp_path / "experiments").symlink_to(REPO / "experiments")
   main_job = _readme_commands("main-job")[0]
@@ -98,9 +98,6 @@ def _first_hour(tmp_path, monkeypatch, capsys, *, shrink: bool):
   assert len(cmds) == 7, cmds
   outs = []
   for cmd in cmds:
-    if shrink and cmd.startswith("python experiments/train.py"):
-      cmd = (cmd.replace("num_steps=80", "num_steps=3") if "--resume" in cmd
-             else cmd + " " + " ".join(TINY_TRAIN))
     rc, out = _drive(cmd, monkeypatch, capsys)
     assert rc == 0, (cmd, out.err[-3000:])
     outs.append(out)
@@ -108,7 +105,7 @@ def _first_hour(tmp_path, monkeypatch, capsys, *, shrink: bool):
       main_records = [json.loads(x) for x in (tmp_path / "runs" / "tiny" / "metrics.jsonl")
                       .open()]
   train, ev, ev_lora, export, gen, chat, resume = outs
-  steps = 2 if shrink else 60
+  steps = 60
   assert f"summary: steps={steps}" in train.out and "mismatch monitor: p5 " in train.out
   assert train.err.count("WARNING:sparrow_jax.rl.monitor") <= 1  # warned once at most
   for o in (ev, ev_lora):
@@ -123,9 +120,9 @@ def _first_hour(tmp_path, monkeypatch, capsys, *, shrink: bool):
   assert f"policy of step {steps}, with the sparse actor's LoRA" in chat.err
   assert (f"resuming from step {steps} (checkpoint runs/tiny/checkpoints/{steps}): policy, "
           "optimizer, LoRA and its optimizer, data position, schedule constant-1; training "
-          f"to step {3 if shrink else 80}") in resume.err
+          "to step 80") in resume.err
   recs = [json.loads(x) for x in (tmp_path / "runs" / "tiny" / "metrics.jsonl").open()]
-  last = 3 if shrink else 80
+  last = 80
   assert [r["step"] for r in recs] == list(range(1, last + 1))
   assert 0.0 <= recs[-1]["val/avg@4"] <= 1.0 and 0.0 <= recs[-1]["val/alpha_p5"] <= 1.0
   assert "val/avg@4" not in recs[last - 2]
@@ -139,7 +136,7 @@ def test_readme_first_hour_as_written(tmp_path, monkeypatch, capsys):
   `readme_sample.py --check` applies to each seed; this is seed 0), then the walkthrough on
   that run, resumed to 80 steps with validation."""
   import experiments.readme_sample as sample
-  train, records = _first_hour(tmp_path, monkeypatch, capsys, shrink=False)
+  train, records = _first_hour(tmp_path, monkeypatch, capsys)
   res = sample.outcome(train.out, records)
   assert res["steps"] == 60 and not sample.out_of_band(res), res
   assert f"steps_below_tau={res['steps_below_tau']}" in train.out

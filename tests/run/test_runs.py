@@ -152,6 +152,8 @@ def test_resume_config_rules(tmp_path):
 def test_signal_saves_a_checkpoint_and_exits_130(tmp_path, capsys, monkeypatch, sig):
   out = tmp_path / "run"
   real_step = trainer_lib.Trainer.train_step
+  # (SIG_IGN, not the default handler, where the tests run as a background job of a shell)
+  before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
 
   def step_then_signal(self):
     metrics = real_step(self)
@@ -170,7 +172,7 @@ def test_signal_saves_a_checkpoint_and_exits_130(tmp_path, capsys, monkeypatch, 
   assert "Traceback" not in err and len(err.splitlines()) <= 3
   assert sorted(os.listdir(out / "checkpoints")) == ["2"]
   assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2]
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+  assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored
   monkeypatch.setattr(trainer_lib.Trainer, "train_step", real_step)
   assert train_cli.main(["--resume", f"out_dir={out}", "--quiet"]) == 0
   assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
