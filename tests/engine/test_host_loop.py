@@ -104,7 +104,8 @@ def test_lora_is_placed_once_per_generate(model):
                for x in leaves)
 
 
-def test_released_pool_is_rebuilt_with_identical_rollouts(model, temperature=1.0):
+def test_released_pool_is_rebuilt_with_identical_rollouts(model):
+  temperature = 1.0
   # (temperature 1: what training samples; the trainer-level test, test_micro_phases, runs
   # the same check through train_step)
   cfg = EngineConfig(num_slots=4, max_seq_len=48, page_size=4, decode_chunk=4, num_pages=16)

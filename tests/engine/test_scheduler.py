@@ -40,8 +40,8 @@ SPARSE = BlockSparse(max_budget=1, page_size=PAGE, dense_layers=(0,))
 
 
 @pytest.mark.parametrize("attention", [None, SPARSE], ids=["dense", "sparse"])
-def test_preempted_requests_match_a_pool_that_fits_everyone(sharp_model, attention,
-                                                            temperature=1.0):
+def test_preempted_requests_match_a_pool_that_fits_everyone(sharp_model, attention):
+  temperature = 1.0
   # (temperature 1: sampling keyed by seed and position must survive the recompute; greedy
   # is the special case of it; test_pruning checks greedy detection under preemption)
   reqs = _requests(temperature)

@@ -58,7 +58,8 @@ def test_arrol_step_prunes_rebatches_and_trains_the_head(tmp_path, monkeypatch):
       arrol_lib.rho_hat_stats(rewards, [c.request_id[0] for c in comps])[0])
 
 
-def test_arrol_resume_continues_exactly(tmp_path, mode="head"):
+def test_arrol_resume_continues_exactly(tmp_path):
+  mode = "head"
   # (the head's state is the one a resume must restore: calibrator bins, head weights; the
   # random mode keeps none beyond the step)
   full, _, resumed = full_and_interrupted(_cfg, tmp_path, 4, 2, f"arrol_mode={mode}")

@@ -214,13 +214,14 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   assert abs(float(metrics["ratio_max"]) - 1) < 1e-5 and abs(float(metrics["ratio_min"]) - 1) < 1e-5
 
 
-def test_top_p_and_top_k_only_shape_sampling(tmp_path, top_p=0.9, top_k=5):
-  # (both filters at once: top-k, then top-p over the renormalised top-k set; the sampler's
-  # own tests check each alone against transformers' warpers)
+def test_top_p_and_top_k_only_shape_sampling(tmp_path):
   """top_p < 1 / top_k > 0: the engine's log-probs are renormalised over the kept set (the
   top-k, then the nucleus of the renormalised top-k), the training side keeps the full
   tempered distribution (verl's convention), so rollout - dense = -log(kept mass under
   softmax(logits / T)) on every response token."""
+  # (both filters at once: top-k, then top-p over the renormalised top-k set; the sampler's
+  # own tests check each alone against transformers' warpers)
+  top_p, top_k = 0.9, 5
   from flax import nnx
   temp = 0.7
   tr = _trainer(tmp_path, "distill=false", "schedule=dense", f"temperature={temp}",
