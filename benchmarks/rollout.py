@@ -34,8 +34,10 @@ enough that the KV reads of the two dense layers show in a decode step, where Sm
 layers of weights hide them.
 
 The dense and sparse engines run the same requests with the same pool; their chunks are timed
-in alternation (A B A B ...) so that load on a shared machine hits both alike; medians over
-`--repeats` chunks after a warm-up chunk (compilation). The prompt is prefilled once (by the
+in alternation (A B A B ...) so that load on a shared machine hits both alike; in the `context`
+part every context's pair is built and prefilled first and one round times a chunk of each
+engine of each context, so the 4K / 1K ratio is side by side as well (the pairs' pools are
+all held at once); medians over `--repeats` chunks after a warm-up chunk (compilation). The prompt is prefilled once (by the
 sparse engine, which also writes landmarks) and its K/V copied into the dense engine's pool.
 Weights are random unless --model-path is given: decode speed does not depend on their values
 (which pages a sparse step selects does, not how many).
@@ -129,6 +131,26 @@ def time_pair(dense, sparse, scheds, steps: int, repeats: int) -> dict[str, floa
       if r:  # the first chunk includes compilation
         times[name].append(time.perf_counter() - t0)
   return {k: 1e3 * statistics.median(v) / steps for k, v in times.items()}
+
+
+def time_contexts(pairs, steps: int, repeats: int) -> dict[int, dict[str, float]]:
+  """`time_pair` over several contexts at once: one round times a chunk of every engine of
+  every context (1K dense, 1K sparse, 4K dense, 4K sparse, ...), so that a ratio between
+  contexts is measured side by side too, not across minutes of a drifting machine."""
+  runs = {(ctx, name): _chunk_fn(eng, sch[i])
+          for ctx, (dense, sparse, sch) in pairs.items()
+          for i, (name, eng) in enumerate((("dense", dense), ("sparse", sparse)))}
+  times = {k: [] for k in runs}
+  for r in range(repeats + 1):
+    for key, fn in runs.items():
+      t0 = time.perf_counter()
+      fn()
+      if r:  # the first chunk includes compilation
+        times[key].append(time.perf_counter() - t0)
+  out: dict[int, dict[str, float]] = {}
+  for (ctx, name), ts in times.items():
+    out.setdefault(ctx, {})[name] = 1e3 * statistics.median(ts) / steps
+  return out
 
 
 def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool,
@@ -371,6 +393,7 @@ def main(argv=None) -> int:
           "% of bound | prefill s |")
     print("|---|---|---|---|---|---|---|---|")
     sparse_ms = {}
+    pairs = {}  # every context's engines first: their chunks are then timed in alternation
     for ctx in contexts:
       max_len = ctx + extra + args.page_size
       pool = args.batch * (-(-max_len // args.page_size)) * args.page_size
@@ -378,7 +401,10 @@ def main(argv=None) -> int:
                                pool_tokens=pool, chunk=args.steps, page_size=args.page_size)
       prompts = [list(rng.integers(3, mc.vocab_size, ctx)) for _ in range(args.batch)]
       scheds, prefill_s = _fill(dense, sparse, prompts, extra)
-      ms = time_pair(dense, sparse, scheds, args.steps, args.repeats)
+      pairs[ctx] = (dense, sparse, scheds, prefill_s)
+    all_ms = time_contexts({c: v[:3] for c, v in pairs.items()}, args.steps, args.repeats)
+    for ctx in contexts:
+      ms, prefill_s = all_ms[ctx], pairs[ctx][3]
       bd = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=True, itemsize=item)
       bs = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=False,
                           itemsize=item)

@@ -75,14 +75,17 @@ def dense_decode_blocked(q, k_pages, v_pages, page_table, lengths, *, sm_scale=N
     cols = lax.dynamic_slice_in_dim(table, j * pb, pb, axis=1)[:, None, :]  # [B, 1, Pb]
     kb = k_pages[heads, cols].reshape(b, kvh, pb * s, d)  # [B, K, Pb*S, D] one block
     vb = v_pages[heads, cols].reshape(b, kvh, pb * s, d)
-    sc = jnp.einsum("bkgd,bktd->bkgt", qg, kb, preferred_element_type=_F32) * sm_scale
-    ok = ((j * pb * s + offs)[None, :] < lengths[:, None])[:, None, None, :]  # [B,1,1,Pb*S]
+    # Scores as [Pb*S, G] per (b, k): the keys are the dot's tall left operand. On XLA:CPU this
+    # runs ~1.5x faster than the [G, D] x [Pb*S, D]^T form (measured at G=2, D=128, 256 keys),
+    # and the softmax and P.V below stay in the same layout (no transpose).
+    sc = jnp.einsum("bktd,bkgd->bktg", kb, qg, preferred_element_type=_F32) * sm_scale
+    ok = ((j * pb * s + offs)[None, :] < lengths[:, None])[:, None, :, None]  # [B,1,Pb*S,1]
     sc = jnp.where(ok, sc, MASK_VALUE)
-    m_new = jnp.maximum(m_run, sc.max(axis=-1))  # [B, K, G]
-    p = jnp.where(ok, jnp.exp(sc - m_new[..., None]), 0.0)  # [B, K, G, Pb*S]
+    m_new = jnp.maximum(m_run, sc.max(axis=-2))  # [B, K, G]
+    p = jnp.where(ok, jnp.exp(sc - m_new[..., None, :]), 0.0)  # [B, K, Pb*S, G]
     alpha = jnp.exp(m_run - m_new)
-    pv = jnp.einsum("bkgt,bktd->bkgd", p.astype(vb.dtype), vb, preferred_element_type=_F32)
-    return j + 1, m_new, alpha * l_run + p.sum(axis=-1), alpha[..., None] * acc + pv
+    pv = jnp.einsum("bktg,bktd->bkgd", p.astype(vb.dtype), vb, preferred_element_type=_F32)
+    return j + 1, m_new, alpha * l_run + p.sum(axis=-2), alpha[..., None] * acc + pv
 
   init = (jnp.int32(0), jnp.full((b, kvh, g), MASK_VALUE, _F32), jnp.zeros((b, kvh, g), _F32),
           jnp.zeros((b, kvh, g, d), _F32))
