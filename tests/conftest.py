@@ -39,6 +39,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # follow in collection order.
 _LONG_FILES = [
     "tests/engine/test_scheduler.py",
+    "tests/test_sparse_rl_study.py",
     "tests/models/test_sparse_decoder.py",
     "tests/engine/test_pruning.py",
     "tests/run/test_trainer_correctness.py",

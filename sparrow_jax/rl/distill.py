@@ -170,8 +170,12 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
   ref = jnp.where(valid, jnp.asarray(old_dense_logp, jnp.float32), jax.lax.stop_gradient(logp))
   k3 = grpo.kl_penalty(logp, ref, "low_var_kl")  # [B, T]
   mean = lambda x: grpo.aggregate_loss(x, m, "token-mean", num_tokens=num_tokens)
+  gap = jax.lax.stop_gradient(ref - logp)
   metrics = {"k3": jax.lax.stop_gradient(mean(k3)),
-             "logp_gap": grpo.masked_mean(jax.lax.stop_gradient(ref - logp), m),
+             "logp_gap": grpo.masked_mean(gap, m),
+             # The largest |teacher - actor| log-prob gap of the batch: at float rounding level
+             # the actor already equals the teacher and the gradient is noise (see min_gap).
+             "max_abs_gap": jnp.max(jnp.where(valid, jnp.abs(gap), 0.0)),
              "num_tokens": jnp.sum(m)}
   if kind == "reverse_kl_full":
     if dense_logits is None:
@@ -215,9 +219,24 @@ class DistillConfig:
   tis_cap: float | None = 2.0
   temperature: float = 1.0
   logprob_chunk: int = 128
+  # Skip the LoRA step when the batch's largest |teacher - actor| log-prob gap is below this:
+  # the sparse actor then equals the dense teacher up to float rounding (e.g. every page is
+  # selected at short lengths), its gradient is rounding noise, and Adam, which normalises the
+  # gradient's size away, would turn that noise into full-size steps that move the actor off
+  # the policy. 0 = never skip. Only the KL terms are judged: with pg_coef > 0 the policy-
+  # gradient term carries the advantages' signal whatever the gap, and every batch steps.
+  min_gap: float = 0.0
+
+  @property
+  def skip_below_gap(self) -> float:
+    """The gap under which a batch takes no LoRA step (0 with a policy-gradient term)."""
+    return self.min_gap if self.pg_coef == 0 else 0.0
 
   def __post_init__(self):
     _check_kind(self.kind)
+    if isinstance(self.min_gap, bool) or not isinstance(self.min_gap, (int, float)) or \
+        not self.min_gap >= 0:
+      raise ValueError(f"DistillConfig.min_gap={self.min_gap!r}: expected a float >= 0")
     if not isinstance(self.logprob_chunk, int) or self.logprob_chunk < 1:
       raise ValueError(f"DistillConfig.logprob_chunk={self.logprob_chunk!r}: expected a "
                        "positive int")
@@ -254,12 +273,14 @@ def default_optimizer(learning_rate: float = 1e-4, *, max_grad_norm: float | Non
 
 
 _SUM_METRICS = ("loss", "k3", "pg_loss", "reverse_kl_full", "num_tokens")
+_MAX_METRICS = ("max_abs_gap",)
 
 
 def combine_micro_metrics(per_micro) -> dict[str, float]:
   """Batch metrics of `distill_loss` from per-micro-batch ones (host dicts of scalars,
   computed with the batch's `num_tokens`): sums for the token means and the token count,
-  token-weighted means for the rest (masked means over each micro-batch's own tokens)."""
+  the maximum for `max_abs_gap`, token-weighted means for the rest (masked means over each
+  micro-batch's own tokens)."""
   per_micro = list(per_micro)
   if not per_micro:
     return {}
@@ -268,7 +289,12 @@ def combine_micro_metrics(per_micro) -> dict[str, float]:
   out = {}
   for k in per_micro[0]:
     vals = [float(m[k]) for m in per_micro]
-    out[k] = sum(vals) if k in _SUM_METRICS else sum(v * w for v, w in zip(vals, n)) / total
+    if k in _SUM_METRICS:
+      out[k] = sum(vals)
+    elif k in _MAX_METRICS:
+      out[k] = max(vals)
+    else:
+      out[k] = sum(v * w for v, w in zip(vals, n)) / total
   return out
 
 
@@ -286,7 +312,8 @@ def make_distill_step(graphdef, attention: attn_lib.AttentionSpec,
   optionally "prompt_lengths", "lengths" [B], "advantages", "rollout_logp", "dense_logits".
   Only the LoRA tree is differentiated; `state` (the policy) is an ordinary traced argument
   that receives no gradient and is returned untouched by construction. `lora` and `opt_state`
-  are donated. A non-finite loss or gradient leaves both unchanged (`distill/skipped` = 1).
+  are donated. A non-finite loss or gradient leaves both unchanged (`distill/skipped` = 1), and
+  so does a batch whose largest log-prob gap is below `cfg.min_gap` (`distill/no_gap` = 1).
   Metrics are prefixed `distill/`.
   """
   if not isinstance(cfg, DistillConfig):
@@ -311,13 +338,14 @@ def make_distill_step(graphdef, attention: attn_lib.AttentionSpec,
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(lora)
     grad_norm = optax.global_norm(grads)
-    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    no_gap = metrics["max_abs_gap"] < cfg.skip_below_gap
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & ~no_gap
     updates, new_opt = optimizer.update(grads, opt_state, lora)
     new_lora = optax.apply_updates(lora, updates)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
     lora, opt_state = keep(new_lora, lora), keep(new_opt, opt_state)
-    metrics = dict(metrics, grad_norm=grad_norm, skipped=(~ok).astype(jnp.float32),
-                   **lora_norms(lora))
+    metrics = dict(metrics, grad_norm=grad_norm, skipped=(~ok & ~no_gap).astype(jnp.float32),
+                   no_gap=no_gap.astype(jnp.float32), **lora_norms(lora))
     return lora, opt_state, {f"distill/{k}": v for k, v in metrics.items()}
 
   return jax.jit(step, donate_argnums=(0, 1))

@@ -223,3 +223,17 @@ def alpha_tail(alpha, mask, *, quantile: float = 5.0, bin_size: int | None = Non
   tails = [np.percentile(vals[pos == k], quantile) for k in np.unique(pos)
            if np.sum(pos == k) >= max(min_count, 1)]
   return float(min(tails)) if tails else float("nan")
+
+
+def alpha_tails_per_bin(alpha, mask, *, bin_size: int, quantile: float = 5.0
+                        ) -> dict[int, tuple[float, int]]:
+  """{bin: (quantile of alpha, token count)} per position bin of `bin_size` positions, from
+  per-token alpha [B, T] and the mask of the tokens to count (entry 0 never counts); only
+  bins that hold tokens appear."""
+  alpha = np.asarray(alpha, np.float64)
+  m = np.array(mask) > 0
+  m[:, 0] = False
+  pos = np.broadcast_to(np.arange(alpha.shape[1]), alpha.shape)[m] // bin_size
+  vals = alpha[m]
+  return {int(k): (float(np.percentile(vals[pos == k], quantile)), int(np.sum(pos == k)))
+          for k in np.unique(pos)}

@@ -121,7 +121,8 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
   if cfg.distill:
     dcfg = distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
                                      pg_coef=cfg.distill_pg_coef, tis_cap=cfg.distill_pg_clip,
-                                     temperature=temperature, logprob_chunk=cfg.logprob_chunk)
+                                     temperature=temperature, logprob_chunk=cfg.logprob_chunk,
+                                     min_gap=cfg.distill_min_gap)
     lora_tx = distill_lib.default_optimizer(cfg.distill_lr)
     lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
                                targets=cfg.lora_targets)
@@ -162,9 +163,13 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
   if cfg.kl_coef > 0:
     run("reference", progs.ref_logprobs,
         (params, batch(r, l, ("tokens", "lengths", "prompt_lens"))), r, l)
-  if cfg.ladder.strip():
+  # The ladder probe and exact_alpha_every run the same program (the ladder's next rung, or
+  # the run's own schedule; the memory model has one "probe" phase for either).
+  probe_spec = cfg.ladder.split(",")[0].strip() if cfg.ladder.strip() else (
+      cfg.schedule if cfg.exact_alpha_every else "")
+  cand = build_schedule(cfg, probe_spec) if probe_spec else None
+  if cand is not None and not cand.is_dense:
     from sparrow_jax.rl.switching import _probe_alpha
-    cand = build_schedule(cfg, cfg.ladder.split(",")[0].strip())
     att = attention_spec(cand, max_position=l, backend="xla",
                          landmark_dtype=cfg.landmark_dtype)
     probe = jax.jit(lambda p, lo, mb, t: _probe_alpha(
@@ -188,7 +193,7 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
       dkeys += ["advantages", "rollout_logp"]
     run("distill", progs.distill_grad,
         (lora, lora, params, batch(r, l, dkeys), {"num_tokens": scalar}), r, l)
-    run("distill_apply", progs.distill_apply, (lora, lora_opt, lora, scalar), r, l)
+    run("distill_apply", progs.distill_apply, (lora, lora_opt, lora, scalar, scalar), r, l)
   return out
 
 

@@ -119,6 +119,11 @@ class TrainConfig:
   distill_kind: str = "k3"  # k3 | reverse_kl_full
   distill_pg_coef: float = 0.0  # weight of the LoRA's own policy-gradient term (0 = off)
   distill_pg_clip: float | None = 2.0  # C: its importance ratio truncated at C (null: none)
+  # No LoRA step while the batch's largest |dense - sparse actor| log-prob gap is below this:
+  # the actor equals the policy up to float32 rounding (~1e-6 here), the gradient is noise
+  # and Adam would turn it into full-size steps (0 = always step; raise it for bfloat16;
+  # not applied with distill_pg_coef > 0, whose term has the advantages' signal).
+  distill_min_gap: float = 1e-4
   # ARRoL: online rollout pruning with a learned quality head (issue 11, rl/arrol.py)
   arrol: bool = False
   arrol_mode: str = "head"  # head | random (ablation: prune at the same keep rate at random)
@@ -140,6 +145,11 @@ class TrainConfig:
   ladder_patience: int = 3
   probe_every: int = 5
   probe_min_count: int = 32  # tokens a position bin needs to count in the ladder probe
+  # Every N steps (0 = off), the exact alpha tail per position bin of the rollout actor vs the
+  # dense policy, teacher-forced on the step's first `exact_alpha_rows` rollouts (0 = all):
+  # mismatch/exact_p5[_bin_i], the value the monitor's top-k statistic bounds from below.
+  exact_alpha_every: int = 0
+  exact_alpha_rows: int = 8
   # checkpoints, logging, sharding
   out_dir: str = "runs/default"
   save_every: int = 10  # and always at the end (and on Ctrl-C); 0 = only at the end
@@ -176,6 +186,7 @@ class TrainConfig:
               "micro_batch_size", "logprob_micro_batch_size", "max_tokens_per_micro_batch",
               "logprob_max_tokens_per_micro_batch", "overlong_buffer", "distill_warmup_steps",
               "max_refill_rounds", "distill_pg_coef", "sample_every", "val_every",
+              "exact_alpha_every", "exact_alpha_rows",
               "val_max_prompts"):
       if getattr(self, f) < 0:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected >= 0")
@@ -234,6 +245,10 @@ class TrainConfig:
         for field, key in _ARROL_KEYS.items():
           msg = msg.replace(f"ArrolConfig.{field}=", f"{key}=")
         raise ValueError(msg) from None
+    if isinstance(self.distill_min_gap, bool) or not isinstance(
+        self.distill_min_gap, (int, float)) or not self.distill_min_gap >= 0:
+      raise ValueError(f"distill_min_gap={self.distill_min_gap!r}: expected a float >= 0 "
+                       "(0 = every batch updates the LoRA)")
     if self.distill_pg_clip is not None and not self.distill_pg_clip > 0:
       raise ValueError(f"distill_pg_clip={self.distill_pg_clip!r}: expected null or > 0")
     if self.distill_coef < 0 or (self.distill_coef == 0 and self.distill_pg_coef == 0):

@@ -16,7 +16,7 @@ XLA's memory analysis at the preset's real shapes.
                   guarded optimizer step (non-finite loss or gradient: nothing changes).
   distill_grad    (lora, acc, params, mb, den) -> (acc + grads, metrics): DistillSparse's
                   LoRA-only gradient of one micro-batch (sparse teacher-forced forward, remat).
-  distill_apply   (lora, opt_state, grads, loss) -> (lora, opt_state, metrics).
+  distill_apply   (lora, opt_state, grads, loss, max_gap) -> (lora, opt_state, metrics).
   zeros           a zero tree like its argument, with the same shardings (accumulators).
 
 Micro-batch keys (host arrays gathered by the driver): tokens [R, L], lengths [R], mask
@@ -54,10 +54,11 @@ class Counter:
     self.n += 1
 
 
-def guarded_apply(tx, params, opt_state, grads, loss):
-  """Apply the update only when loss and gradients are finite (else keep everything)."""
+def guarded_apply(tx, params, opt_state, grads, loss, allow=True):
+  """Apply the update only when loss and gradients are finite and `allow` holds (else keep
+  everything)."""
   gnorm = optax.global_norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
+  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm) & allow
   updates, new_opt = tx.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
@@ -180,11 +181,17 @@ def make_distill_grad(graphdef, attention, dcfg: distill_lib.DistillConfig,
   return jax.jit(hinted(fn, *hints), donate_argnums=(1,))
 
 
-def make_distill_apply(tx, count: Callable[[], None] = lambda: None, hints=(None, ())):
-  def fn(lora, opt_state, grads, loss):
+def make_distill_apply(tx, count: Callable[[], None] = lambda: None, hints=(None, ()),
+                       min_gap: float = 0.0):
+  """The LoRA's guarded step; `max_gap` (the batch's largest |teacher - actor| log-prob gap)
+  below `min_gap` keeps the LoRA and its optimizer state as they are (`no_gap` = 1: nothing
+  to distill, the gradient is rounding noise; `DistillConfig.min_gap`)."""
+  def fn(lora, opt_state, grads, loss, max_gap):
     count()
-    new_lora, new_opt, ok, gnorm = guarded_apply(tx, lora, opt_state, grads, loss)
-    metrics = dict(grad_norm=gnorm, skipped=(~ok).astype(jnp.float32), **lora_norms(new_lora))
+    no_gap = max_gap < min_gap
+    new_lora, new_opt, ok, gnorm = guarded_apply(tx, lora, opt_state, grads, loss, ~no_gap)
+    metrics = dict(grad_norm=gnorm, skipped=(~ok & ~no_gap).astype(jnp.float32),
+                   no_gap=no_gap.astype(jnp.float32), **lora_norms(new_lora))
     return new_lora, new_opt, metrics
 
   return jax.jit(hinted(fn, *hints), donate_argnums=(0, 1))
@@ -233,5 +240,6 @@ def build_programs(graphdef, cfg, *, loss_cfg: grpo.GRPOLossConfig, tx, temperat
       skip_recompute=skip_recompute)
   if dcfg is not None:
     progs.distill_grad = make_distill_grad(graphdef, attention, dcfg, count, hints=hints)
-    progs.distill_apply = make_distill_apply(lora_tx, count, hints=hints)
+    progs.distill_apply = make_distill_apply(lora_tx, count, hints=hints,
+                                             min_gap=dcfg.skip_below_gap)
   return progs

@@ -7,6 +7,9 @@
     recompute   old dense log-probs + the monitor's dense top-k, and the KL reference's
                 log-probs, micro-batched and sharded; skipped when it is redundant (one
                 optimizer step per rollout batch: the update's own forward gives them)
+    exact_alpha every `exact_alpha_every` steps: the exact alpha tail per position bin of the
+                rollout actor vs the dense policy that sampled (teacher-forced, before the
+                update changes either)
     advantages  group-relative advantages (ragged groups with ARRoL) and the GRPO loss mask
     distill     DistillSparse: LoRA-only update against the old dense log-probs, before the
                 policy update, so teacher dense(theta_k) and student sparse(theta_k) + LoRA
@@ -106,6 +109,12 @@ def recompute(tr, sb: StepBatch) -> None:
     a["ref_logp"] = res["logp"]
 
 
+def exact_alpha(tr, sb: StepBatch) -> None:
+  every = tr.cfg.exact_alpha_every
+  if every and sb.step % every == 0:
+    sb.out.update(tr.exact_alpha(sb.arrays))
+
+
 def advantages(tr, sb: StepBatch) -> None:
   cfg, a = tr.cfg, sb.arrays
   g = cfg.group_size
@@ -195,6 +204,8 @@ def metrics(tr, sb: StepBatch) -> None:
   }
   if cfg.distill:
     out["time/distill_s"] = t["distill"]
+  if cfg.exact_alpha_every:
+    out["time/exact_alpha_s"] = t["exact_alpha"]
   if cfg.dynamic_sampling:
     out.update({"dynamic_sampling/rounds": gen["rounds"],
                 "dynamic_sampling/informative_groups": int((~sb.zero_var).sum()),
@@ -207,7 +218,7 @@ def metrics(tr, sb: StepBatch) -> None:
 
 
 PIPELINE = (("generate", generate), ("batch", batch), ("recompute", recompute),
-            ("advantages", advantages), ("distill", distill), ("update", update),
+            ("exact_alpha", exact_alpha), ("advantages", advantages), ("distill", distill), ("update", update),
             ("monitor", monitor), ("ladder", ladder), ("arrol", arrol), ("metrics", metrics))
 
 

@@ -60,7 +60,7 @@ from sparrow_jax.run import stages
 from sparrow_jax.run.programs import build_programs
 from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig
 from sparrow_jax.rl.switching import (ScheduleLadder, _probe_alpha as probe_alpha_program,
-                                      alpha_tail, attention_for)
+                                      alpha_tail, alpha_tails_per_bin, attention_for)
 from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.run.builders import (  # noqa: F401  (re-exported)
     Preflight, _bucket, _guarded_apply, build_examples, build_model,
@@ -281,7 +281,8 @@ class Trainer:
                                        pg_coef=cfg.distill_pg_coef,
                                        tis_cap=cfg.distill_pg_clip,
                                        temperature=self.temperature,
-                                       logprob_chunk=cfg.logprob_chunk)
+                                       logprob_chunk=cfg.logprob_chunk,
+                                       min_gap=cfg.distill_min_gap)
     count = self.programs.count if getattr(self, "programs", None) is not None else None
     self.programs = build_programs(
         self.graphdef, cfg, loss_cfg=self.loss_cfg, tx=self.tx, temperature=self.temperature,
@@ -666,16 +667,15 @@ class Trainer:
     t0 = time.perf_counter()
     loss, out, grads = self.distill_grads(arrays, plan)
     self.lora, self.lora_opt_state, am = self.programs.distill_apply(
-        self.lora, self.lora_opt_state, grads, loss)
+        self.lora, self.lora_opt_state, grads, loss, jnp.float32(out["max_abs_gap"]))
     out.update({k: float(v) for k, v in distributed.fetch(am).items()})
     out = {f"distill/{k}": v for k, v in out.items()}
     out["time/distill_s"] = time.perf_counter() - t0
     return out
 
-  def tail_alpha(self, arrays, schedule: SparsitySchedule, lora, mask, plan=None,
-                 **kw) -> float:
-    """Tail (p5) of exact alpha_t between the dense policy and sparse(+`lora`) under
-    `schedule` over `mask`'s tokens of a batch (micro-batched; `switching.alpha_tail`)."""
+  def token_alpha(self, arrays, schedule: SparsitySchedule, lora, plan=None) -> np.ndarray:
+    """Exact alpha_t [B, T] between the dense policy and sparse(+`lora`) under `schedule`,
+    teacher-forced on a batch's tokens (micro-batched)."""
     plan = plan if plan is not None else self.logprob_plan(arrays["lengths"])
     t = int(np.shape(arrays["tokens"])[1])
     attention = attention_for(schedule, t, landmark_dtype=self.cfg.landmark_dtype)
@@ -691,9 +691,36 @@ class Trainer:
                                            jnp.float32(self.temperature), attention=attention,
                                            chunk=self.cfg.logprob_chunk)}
 
-    alpha = self.run_micro(fn, arrays, plan, keys=("tokens", "prompt_lens", "lengths"),
-                           prepare=prepare)["alpha"]
-    return alpha_tail(alpha, mask, **kw)
+    return np.asarray(self.run_micro(fn, arrays, plan, keys=("tokens", "prompt_lens", "lengths"),
+                                     prepare=prepare)["alpha"])
+
+  def tail_alpha(self, arrays, schedule: SparsitySchedule, lora, mask, plan=None,
+                 **kw) -> float:
+    """Tail (p5) of exact alpha_t between the dense policy and sparse(+`lora`) under
+    `schedule` over `mask`'s tokens of a batch (micro-batched; `switching.alpha_tail`)."""
+    return alpha_tail(self.token_alpha(arrays, schedule, lora, plan), mask, **kw)
+
+  def exact_alpha(self, arrays) -> dict[str, float]:
+    """`exact_alpha_every`: the exact tail of alpha_t per position bin of the rollout actor
+    (the current schedule, with its LoRA) against the dense policy that generated the
+    rollouts, teacher-forced on the first `exact_alpha_rows` rollouts of the step (all with
+    0), over their response tokens: what the monitor's top-k statistic bounds from below."""
+    cfg = self.cfg
+    if self.schedule.is_dense:
+      return {}
+    n = int(np.shape(arrays["tokens"])[0])
+    rows = n if not cfg.exact_alpha_rows else min(cfg.exact_alpha_rows, n)
+    sub = {k: np.asarray(arrays[k])[:rows] for k in ("tokens", "prompt_lens", "lengths", "mask")}
+    alpha = self.token_alpha(sub, self.schedule, self.lora if cfg.distill else None)
+    tails = alpha_tails_per_bin(alpha, sub["mask"], bin_size=cfg.mismatch_bin_size)
+    out: dict[str, float] = {"mismatch/exact_rows": float(rows)}
+    if tails:
+      out["mismatch/exact_p5"] = min(v for v, _ in tails.values())
+      out["mismatch/exact_bins_below_tau"] = float(sum(v < cfg.tau for v, _ in tails.values()))
+    for k, (v, c) in tails.items():
+      out[f"mismatch/exact_p5_bin_{k}"] = v
+      out[f"mismatch/exact_count_bin_{k}"] = float(c)
+    return out
 
   def arrol_update(self, comps, rewards, pruned, rho_hat) -> dict[str, Any]:
     """Train the quality head on this step's labelled rollouts (label: reward > 0) and report

@@ -106,6 +106,8 @@ def test_loss_values_match_float64_numpy(setup):
   np.testing.assert_allclose(float(mk["k3"]), k3_ref, rtol=2e-5)
   np.testing.assert_allclose(float(mk["pg_loss"]), pg_ref, rtol=2e-5)
   np.testing.assert_allclose(float(mk["loss"]), 0.5 * k3_ref + 2.0 * pg_ref, rtol=2e-5)
+  np.testing.assert_allclose(float(mk["max_abs_gap"]), np.abs(p_tok - q_tok)[mm > 0].max(),
+                             rtol=1e-4)
   assert 0 < float(mk["is_frac_truncated"]) < 1
   # Full-vocabulary reverse KL; dense logits recomputed inside or passed in agree.
   loss_rkl = jax.jit(_loss_fn(s, "reverse_kl_full"))
@@ -129,6 +131,36 @@ def test_config_and_batch_validation(setup):
   with pytest.raises(ValueError, match=r"missing keys \['budgets'\]"):
     step(s["lora"], distill.default_optimizer().init(s["lora"]), s["state"],
          dict(tokens=s["tokens"], mask=s["mask"], old_logp=s["old_logp"]))
+
+
+def test_min_gap_skips_the_step_and_keeps_lora_and_optimizer_state(setup):
+  s = setup
+  with pytest.raises(ValueError, match="min_gap=-1"):
+    distill.DistillConfig(min_gap=-1.0)
+  # A policy-gradient term has signal whatever the gap: never skipped.
+  assert distill.DistillConfig(min_gap=1e9, pg_coef=1.0).skip_below_gap == 0.0
+  batch = dict(tokens=s["tokens"], mask=s["mask"], old_logp=s["old_logp"], budgets=s["budgets"])
+  opt = distill.default_optimizer(1e-2)
+  lora = _perturbed(s["lora"], jax.random.key(3), std=0.02)
+  before = [np.asarray(x) for x in jax.tree.leaves(lora)]
+  runs = {}
+  for min_gap in (0.0, 1e9):  # never skip / always skip (the batch's gap is real: ~1e-2)
+    step = distill.make_distill_step(s["graphdef"], sparse_spec(1), opt,
+                                     distill.DistillConfig(min_gap=min_gap))
+    lr = jax.tree.map(jnp.copy, lora)
+    new, new_opt, m = step(lr, opt.init(lr), s["state"], batch)
+    runs[min_gap] = ([np.asarray(x) for x in jax.tree.leaves(new)],
+                     [np.asarray(x) for x in jax.tree.leaves(new_opt)], m)
+  moved, _, m0 = runs[0.0]
+  kept, kept_opt, m1 = runs[1e9]
+  assert float(m0["distill/no_gap"]) == 0.0 and float(m1["distill/no_gap"]) == 1.0
+  assert float(m1["distill/skipped"]) == 0.0  # not counted as a non-finite skip
+  assert float(m0["distill/max_abs_gap"]) == float(m1["distill/max_abs_gap"]) > 1e-3
+  assert any(not np.array_equal(x, y) for x, y in zip(before, moved))
+  for x, y in zip(before, kept):
+    np.testing.assert_array_equal(x, y)
+  for x, y in zip(jax.tree.leaves(opt.init(lora)), kept_opt):  # the moments stay at zero
+    np.testing.assert_array_equal(np.asarray(x), y)
 
 
 def test_p5_alpha_rises_with_distillation():

@@ -363,6 +363,9 @@ def test_distill_pg_term_moves_the_lora_and_leaves_the_policy_alone(tmp_path, mo
                              rtol=1e-5, atol=1e-7)
   assert r["distill/grad_norm"] != r_off["distill/grad_norm"]
   assert "distill/pg_loss" not in r_off
+  # The tiny task's sparse actor equals the policy here: the KL-only run skips its LoRA step
+  # (distill_min_gap), the PG term's run does not (its gradient is the advantages' signal).
+  assert r["distill/no_gap"] == 0.0 and r_off["distill/no_gap"] == 1.0, (r, r_off)
   with pytest.raises(ValueError, match="distill_pg_clip=0.0"):
     get_train_config("tiny", ["distill_pg_clip=0"])
   assert get_train_config("tiny", ["distill_pg_clip=null"]).distill_pg_clip is None

@@ -38,6 +38,7 @@ def test_policy_after_one_step_is_bitwise_identical_with_and_without_distill(tmp
   rec = read_jsonl(str(tmp_path / "on" / "metrics.jsonl"))[1]
   assert "distill/loss" in rec and np.isfinite(rec["distill/loss"])
   assert rec["distill/grad_norm"] > 1e-5 and abs(rec["distill/logp_gap"]) > 1e-6, rec  # real
+  assert rec["distill/max_abs_gap"] > 1e-4 and rec["distill/no_gap"] == 0.0, rec
 
 
 def _ladder_run(tmp, tau):
@@ -64,3 +65,45 @@ def test_ladder_does_not_switch_when_the_tail_stays_below_tau(tmp_path):
   assert all(recs[s]["schedule"] == "constant-3" for s in (1, 2, 3, 4))
   assert recs[4]["ladder/switches"] == 0.0 and tr.schedule.budgets == (3,)
   assert all(recs[s]["ladder/probe_tail_alpha"] < tau for s in (1, 2, 3, 4))
+
+
+def test_no_lora_step_when_the_sparse_actor_equals_the_policy(tmp_path):
+  # 4-token responses: every key lies in a reserved or selected page, so the sparse actor is
+  # the dense policy up to float rounding: the default distill_min_gap skips the LoRA step.
+  short = _trainer(tmp_path / "short", "num_steps=1", "distill=true", "max_new_tokens=4")
+  short.fit()
+  rec = read_jsonl(str(tmp_path / "short" / "metrics.jsonl"))[1]
+  assert rec["distill/no_gap"] == 1.0 and rec["distill/skipped"] == 0.0, rec
+  assert 0.0 <= rec["distill/max_abs_gap"] < 1e-4, rec
+  # The threshold is what decides: above a real gap (12-token responses, which move the LoRA
+  # in the first test) no step is taken either, and the LoRA and its moments stay as they were
+  # (one step: its lr is 0 under the LoRA's warm-up, but a taken step would set the moments).
+  tr = _trainer(tmp_path / "high", "num_steps=1", "distill=true", "distill_min_gap=1e9")
+  opt_leaves = [np.asarray(x) for x in jax.tree.leaves(tr.lora_opt_state)]
+  assert any(x.size > 1 and not x.any() for x in opt_leaves)  # Adam moments start at zero
+  before = [np.asarray(x) for x in jax.tree.leaves((tr.lora, tr.lora_opt_state))]
+  tr.fit()
+  r = read_jsonl(str(tmp_path / "high" / "metrics.jsonl"))[1]
+  assert r["distill/no_gap"] == 1.0 and r["distill/max_abs_gap"] > 1e-4, r
+  after = jax.tree.leaves((tr.lora, tr.lora_opt_state))
+  assert len(before) == len(after)
+  for x, y in zip(before, after):
+    np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_exact_alpha_per_bin_is_bounded_below_by_the_monitor(tmp_path):
+  # The monitor's top-k statistic is a per-token lower bound of alpha_t, so per position bin
+  # its p5 cannot exceed the exact p5 over the same tokens (every rollout: rows=0).
+  tr = _trainer(tmp_path, "num_steps=1", "distill=false", "exact_alpha_every=1",
+                "exact_alpha_rows=0")
+  tr.fit()
+  rec = read_jsonl(str(tmp_path / "metrics.jsonl"))[1]
+  bins = sorted(int(k.rsplit("_", 1)[1]) for k in rec if k.startswith("mismatch/exact_p5_bin_"))
+  assert bins and rec["mismatch/exact_rows"] == 16.0, rec
+  assert rec["mismatch/exact_p5"] == min(rec[f"mismatch/exact_p5_bin_{b}"] for b in bins)
+  assert rec["mismatch/exact_p5"] < 0.9999  # 12-token responses: sparsity is real
+  for b in bins:
+    exact, bound = rec[f"mismatch/exact_p5_bin_{b}"], rec[f"mismatch/p5_bin_{b}"]
+    assert 0.0 < bound <= exact + 1e-4 <= 1.0 + 1e-4, (b, bound, exact)
+    assert rec[f"mismatch/exact_count_bin_{b}"] == rec[f"mismatch/count_bin_{b}"], b
+  assert rec["time/exact_alpha_s"] > 0

@@ -1,0 +1,326 @@
+"""Sparse-rollout RL on a real model (issue 20): dense rollouts vs a tau-calibrated schedule vs
+an aggressive constant budget, with and without DistillSparse, same seeds and data order.
+
+    python experiments/sparse_rl_study.py --precheck                 # start model's avg@4
+    python experiments/sparse_rl_study.py --arms dense,aggressive --seeds 0,1   # run/resume
+    python experiments/sparse_rl_study.py --arms tau --tau-schedule runs/calib/schedule.json
+    python experiments/sparse_rl_study.py --report                   # docs/sparse_rl_study.md
+
+Model and task: the `smollm2_135m_study` preset (SmolLM2-135M-Instruct from the shipped GGUF,
+boxed arithmetic with the chat template, responses of up to 256 tokens = 16 pages).
+
+Arms (`ARMS`): `dense` (schedule=dense); `tau` (`--tau-schedule`: a schedule calibrated on
+this model at tau=0.86 by experiments/calibrate.py); `aggressive` (`--aggressive`, default
+constant:2, whose p5 lies well under tau at these lengths); `aggressive_distill` (the same
+with DistillSparse). Every arm of a seed trains from the same start on the same prompts in
+the same order (the data order and request seeds follow the run seed).
+
+Each (arm, seed) trains into RUNS/ARM_sSEED with `experiments/train.py` in a subprocess
+(checkpoints every `save_every` steps; a run that stopped is continued with --resume, so an
+arm can be split across sessions), then its final policy is scored on the held-out problems
+(`heldout.jsonl` in RUNS: `--heldout` problems drawn with another seed, none among any seed's
+training prompts) with k=4 dense samples each; the sparse arms also report the exact alpha
+tail of their own sparse actor on those rollouts. Per step the run logs reward, response
+length and clip ratio, the monitor's top-k lower bound of p5 per position bin, the exact p5
+per bin on the step's first `exact_alpha_rows` rollouts (`exact_alpha_every=1`: teacher-
+forced, dense policy vs the sparse actor that sampled), TIS statistics and time per phase.
+
+Results: OUT/ARM_sSEED.json with `arm`, `seed`, `heldout_avg4_before`, `heldout_avg4_after`,
+`heldout_pass4_before/after`, `rollout_s_per_step` (median), `p5_exact_min`, `p5_exact_mean`,
+`p5_bound_min` and the per-step series; `--report` turns every JSON of OUT into
+docs/sparse_rl_study.md's table and figures. `--preset tiny` runs the same machinery on the
+tiny preset in minutes (what the test does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+
+ARMS = ("dense", "tau", "aggressive", "aggressive_distill")
+# Per-step logging the study reads; checkpoints often enough that a stopped arm loses little.
+BASE = ["exact_alpha_every=1", "tensorboard=false", "sample_every=0"]
+
+
+def arm_overrides(arm: str, args) -> list[str]:
+  if arm == "dense":
+    return ["schedule=dense", "distill=false"]
+  if arm == "tau":
+    if not args.tau_schedule:
+      raise ValueError("arm 'tau' needs --tau-schedule: a schedule calibrated on this model "
+                       "(python experiments/calibrate.py --config smollm2_135m_study --tau "
+                       "0.86 ...)")
+    return [f"schedule={args.tau_schedule}", "distill=false"]
+  if arm == "aggressive":
+    return [f"schedule={args.aggressive}", "distill=false"]
+  if arm == "aggressive_distill":
+    return [f"schedule={args.aggressive}", "distill=true"]
+  raise ValueError(f"arm {arm!r}: expected one of {', '.join(ARMS)}")
+
+
+def write_heldout(path: str, preset: str, seeds: list[int], n: int, keys: list[str]) -> int:
+  """`n` problems of the preset's task drawn with a seed no run uses, none of them among the
+  training prompts of any of `seeds` (same arith settings); returns how many were written."""
+  from sparrow_jax.rl import data as data_lib
+  from sparrow_jax.run.builders import build_examples
+  from sparrow_jax.run.config import get_train_config
+
+  cfg = get_train_config(preset, keys)
+  if not cfg.data.startswith("synthetic:"):
+    raise ValueError(f"preset {preset!r} trains on data={cfg.data!r}: pass --heldout-file "
+                     "with problems that are not in it")
+  train = set()
+  for s in seeds:
+    train |= {e.prompt for e in build_examples(cfg.replace(seed=s))}
+  acfg = data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
+                                   max_digits=cfg.arith_max_digits,
+                                   operations=tuple(cfg.arith_ops), template=cfg.arith_template)
+  out, seen = [], set()
+  for e in data_lib.arithmetic_examples(20 * n + 100, seed=987_654_321, config=acfg):
+    if e.prompt not in train and e.prompt not in seen:
+      seen.add(e.prompt)
+      out.append(json.dumps({"prompt": e.prompt, "answer": e.answer}) + "\n")
+      if len(out) == n:
+        break
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    f.writelines(out)
+  return len(out)
+
+
+def _python(*argv: str, log: str, capture: bool = False) -> tuple[int, str]:
+  """Run a repository script with this interpreter; its output (stderr only when `capture`:
+  stdout is then returned) is appended to `log`."""
+  with open(log, "a") as f:
+    f.write(f"\n$ {' '.join(argv)}\n")
+    f.flush()
+    res = subprocess.run([sys.executable, *argv], cwd=ROOT, stderr=f,
+                         stdout=subprocess.PIPE if capture else f, text=True)
+    return res.returncode, res.stdout if capture else ""
+
+
+def _eval(args, source: list[str], out_json: str, mode: str, log: str) -> dict:
+  """experiments/eval.py on the held-out set (k samples each); the result cached in
+  `out_json`."""
+  if os.path.exists(out_json):
+    with open(out_json) as f:
+      return json.load(f)
+  rc, out = _python(os.path.join("experiments", "eval.py"), *source, "--data",
+                    os.path.abspath(args.heldout_path), "--k", str(args.k), "--mode", mode,
+                    "--json", log=log, capture=True)
+  if rc != 0:
+    raise RuntimeError(f"eval.py {' '.join(source)} --mode {mode} failed (exit {rc}); see {log}")
+  res = json.loads(out)
+  with open(out_json, "w") as f:
+    json.dump(res, f, indent=1)
+  return res
+
+
+def _done_steps(run_dir: str) -> int:
+  from sparrow_jax.run.metrics import read_jsonl
+  path = os.path.join(run_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return 0
+  return max((s for s in read_jsonl(path) if s > 0), default=0)
+
+
+def summarize(recs: dict[int, dict], tau: float) -> dict:
+  """Per-step series and the study's scalars from a run's metrics records."""
+  steps = sorted(s for s in recs if s > 0)
+  get = lambda key: [recs[s].get(key) for s in steps]
+  bins = sorted({int(k.rsplit("_", 1)[1]) for s in steps for k in recs[s]
+                 if k.startswith("mismatch/exact_p5_bin_")})
+  exact = [v for v in get("mismatch/exact_p5") if v is not None and math.isfinite(v)]
+  bound = [v for v in get("mismatch/p5_overall") if v is not None and math.isfinite(v)]
+  roll = [v for v in get("time/rollout_s") if v is not None]
+  out = {
+      "steps": steps, "reward": get("reward/mean"), "len_mean": get("response/len_mean"),
+      "clip_ratio": get("response/clip_ratio"), "p5_exact": get("mismatch/exact_p5"),
+      "p5_bound": get("mismatch/p5_overall"),
+      "p5_exact_bins": {b: get(f"mismatch/exact_p5_bin_{b}") for b in bins},
+      "is_frac_truncated": get("loss/is_frac_truncated"),
+      "time": {k: get(f"time/{k}_s") for k in ("rollout", "recompute", "update", "distill",
+                                                 "exact_alpha", "step")},
+      "rollout_s_per_step": statistics.median(roll) if roll else None,
+      "p5_exact_min": min(exact) if exact else None,
+      "p5_exact_mean": statistics.fmean(exact) if exact else None,
+      "p5_bound_min": min(bound) if bound else None,
+      "steps_exact_below_tau": sum(v < tau for v in exact),
+  }
+  return out
+
+
+def run_arm(arm: str, seed: int, args) -> dict:
+  """Train (or resume) one arm and seed, score it, write OUT/ARM_sSEED.json."""
+  from sparrow_jax.run.config import get_train_config
+  from sparrow_jax.run.metrics import read_jsonl
+
+  run_dir = os.path.join(args.runs, f"{arm}_s{seed}")
+  log = os.path.join(args.runs, f"{arm}_s{seed}.log")
+  keys = BASE + list(args.keys) + arm_overrides(arm, args) + [
+      f"seed={seed}", f"out_dir={run_dir}", f"num_steps={args.steps}"]
+  cfg = get_train_config(args.preset, keys)  # bad keys fail here, before any work
+  t0 = time.perf_counter()
+  done = _done_steps(run_dir)
+  if done < args.steps:
+    resume = ["--resume"] if done else []
+    print(f"{arm} seed {seed}: training steps {done + 1}-{args.steps} into {run_dir}"
+          f"{' (resumed)' if done else ''}; log {log}", flush=True)
+    rc, _ = _python(os.path.join("experiments", "train.py"), "--config", args.preset, *resume,
+                    *keys, log=log)
+    if rc != 0:
+      raise RuntimeError(f"{arm} seed {seed}: train.py exited {rc}; see {log} (rerun to "
+                         "resume from its last checkpoint)")
+  train_s = time.perf_counter() - t0
+  before = _before(args)
+  tag = os.path.join(args.runs, f"{arm}_s{seed}_step{args.steps}")  # scores of that policy
+  after = _eval(args, ["--checkpoint", run_dir], f"{tag}_eval_dense.json", "dense", log)
+  res = {"arm": arm, "seed": seed, "preset": args.preset, "steps_run": args.steps,
+         "schedule": cfg.schedule, "distill": cfg.distill, "tau": cfg.tau,
+         f"heldout_avg{args.k}_before": before[f"eval/avg@{args.k}"],
+         f"heldout_avg{args.k}_after": after[f"eval/avg@{args.k}"],
+         f"heldout_pass{args.k}_before": before[f"eval/pass@{args.k}"],
+         f"heldout_pass{args.k}_after": after[f"eval/pass@{args.k}"],
+         "heldout_samples": before.get("eval/samples"), "train_wall_s_this_call": train_s}
+  if arm != "dense":
+    mode = "sparse_lora" if cfg.distill else "sparse"
+    sp = _eval(args, ["--checkpoint", run_dir], f"{tag}_eval_{mode}.json", mode, log)
+    res["heldout_alpha_p5_after"] = sp.get("eval/alpha_p5")
+    res[f"heldout_avg{args.k}_after_{mode}"] = sp[f"eval/avg@{args.k}"]
+  res.update(summarize(read_jsonl(os.path.join(run_dir, "metrics.jsonl")), cfg.tau))
+  os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, f"{arm}_s{seed}.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1)
+  print(f"{arm} seed {seed}: held-out avg@{args.k} {res[f'heldout_avg{args.k}_before']:.3f} -> "
+        f"{res[f'heldout_avg{args.k}_after']:.3f}, rollout {res['rollout_s_per_step']} s/step, "
+        f"exact p5 min {res['p5_exact_min']}; wrote {path}", flush=True)
+  return res
+
+
+def _before(args) -> dict:
+  """Held-out score of the starting model (the preset's weights before any training: the
+  same for every arm and seed; eval.py's sampling seeds are fixed), cached in RUNS."""
+  return _eval(args, ["--config", args.preset, *args.keys],
+               os.path.join(args.runs, "start_eval.json"), "dense",
+               os.path.join(args.runs, "start.log"))
+
+
+def report(args) -> int:
+  """docs/sparse_rl_study.md's table (and the figures) from every JSON under OUT."""
+  files = sorted(f for f in os.listdir(args.out) if f.endswith(".json")) if os.path.isdir(
+      args.out) else []
+  rows = []
+  for f in files:
+    with open(os.path.join(args.out, f)) as fh:
+      rows.append(json.load(fh))
+  if not rows:
+    print(f"error: no arm results under {args.out}; run some arms first", file=sys.stderr)
+    return 2
+  k = args.k
+  lines = [f"| arm | seed | steps | schedule | held-out avg@{k} before | after | pass@{k} after | "
+           "rollout s/step | exact p5 mean | exact p5 min | monitor bound min |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"
+  for r in sorted(rows, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 9,
+                                       r["seed"])):
+    lines.append(f"| {r['arm']} | {r['seed']} | {r['steps_run']} | {r['schedule']} | "
+                 f"{fmt(r[f'heldout_avg{k}_before'])} | {fmt(r[f'heldout_avg{k}_after'])} | "
+                 f"{fmt(r[f'heldout_pass{k}_after'])} | {fmt(r['rollout_s_per_step'], 1)} | "
+                 f"{fmt(r['p5_exact_mean'])} | {fmt(r['p5_exact_min'])} | "
+                 f"{fmt(r['p5_bound_min'])} |")
+  table = "\n".join(lines) + "\n"
+  fig = _figures(rows, args.out)
+  print(table)
+  if args.report_md:
+    with open(args.report_md, "w") as f:
+      f.write("<!-- sparse_rl_study:table (experiments/sparse_rl_study.py --report) -->\n")
+      f.write(table)
+      if fig:
+        f.write(f"\n![reward, length, exact p5 per step]({os.path.relpath(fig, os.path.dirname(os.path.abspath(args.report_md)))})\n")
+    print(f"wrote {args.report_md}")
+  return 0
+
+
+def _figures(rows, out_dir: str) -> str | None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return None
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  for r in rows:
+    label = f"{r['arm']} s{r['seed']}"
+    axes[0].plot(r["steps"], r["reward"], label=label)
+    axes[1].plot(r["steps"], r["len_mean"], label=label)
+    if any(v is not None for v in r["p5_exact"]):
+      axes[2].plot(r["steps"], [math.nan if v is None else v for v in r["p5_exact"]],
+                   label=label)
+  for ax, title in zip(axes, ("reward", "response length", "exact p5 (min over bins)")):
+    ax.set_title(title)
+    ax.set_xlabel("step")
+  axes[2].axhline(rows[0].get("tau", 0.86), color="k", ls="--", lw=0.8)
+  axes[0].legend(fontsize=7)
+  path = os.path.join(out_dir, "curves.png")
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return path
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--preset", default="smollm2_135m_study")
+  ap.add_argument("--arms", default="dense,aggressive", help=f"comma-separated of {ARMS}")
+  ap.add_argument("--seeds", default="0", help="comma-separated run seeds")
+  ap.add_argument("--steps", type=int, default=40)
+  ap.add_argument("--aggressive", default="constant:2", help="the aggressive arms' schedule")
+  ap.add_argument("--tau-schedule", default="", help="the tau arm's calibrated schedule")
+  ap.add_argument("--k", type=int, default=4, help="held-out samples per problem")
+  ap.add_argument("--heldout", type=int, default=200, help="held-out problems")
+  ap.add_argument("--runs", default="runs/sparse_rl_study", help="run directories")
+  ap.add_argument("--out", default="docs/figures/sparse_rl_study", help="result JSONs")
+  ap.add_argument("--report", action="store_true", help="write the table/figures and stop")
+  ap.add_argument("--report-md", default="", help="with --report: also write this markdown")
+  ap.add_argument("--precheck", action="store_true",
+                  help="score the starting model on the held-out set and stop")
+  ap.add_argument("keys", nargs="*", help="key=value overrides for every arm")
+  args = ap.parse_args(argv)
+  if args.report:
+    return report(args)
+  try:
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for a in arms:
+      arm_overrides(a, args)  # every arm's arguments checked before any work
+    os.makedirs(args.runs, exist_ok=True)
+    args.heldout_path = os.path.join(args.runs, "heldout.jsonl")
+    if not os.path.exists(args.heldout_path):
+      n = write_heldout(args.heldout_path, args.preset, seeds, args.heldout, list(args.keys))
+      print(f"held-out set: {n} problems -> {args.heldout_path}")
+    if args.precheck:
+      ev = _before(args)
+      print(f"start model: held-out avg@{args.k} {ev[f'eval/avg@{args.k}']:.3f}, "
+            f"pass@{args.k} {ev[f'eval/pass@{args.k}']:.3f} (the study wants 0.2-0.6)")
+      return 0
+    for s in seeds:
+      for a in arms:
+        run_arm(a, s, args)
+  except (ValueError, RuntimeError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
