@@ -122,21 +122,15 @@ def _chunk_fn(engine, run):
 
 
 def time_pair(dense, sparse, scheds, steps: int, repeats: int) -> dict[str, float]:
-  runs = {"dense": _chunk_fn(dense, scheds[0]), "sparse": _chunk_fn(sparse, scheds[1])}
-  times = {k: [] for k in runs}
-  for r in range(repeats + 1):
-    for name, fn in runs.items():
-      t0 = time.perf_counter()
-      fn()
-      if r:  # the first chunk includes compilation
-        times[name].append(time.perf_counter() - t0)
-  return {k: 1e3 * statistics.median(v) / steps for k, v in times.items()}
+  """ms per decode step of the dense and the sparse engine, chunks timed in alternation."""
+  return time_contexts({0: (dense, sparse, scheds)}, steps, repeats)[0]
 
 
 def time_contexts(pairs, steps: int, repeats: int) -> dict[int, dict[str, float]]:
-  """`time_pair` over several contexts at once: one round times a chunk of every engine of
-  every context (1K dense, 1K sparse, 4K dense, 4K sparse, ...), so that a ratio between
-  contexts is measured side by side too, not across minutes of a drifting machine."""
+  """ms per decode step of each engine of each context: one round times a chunk of every
+  engine of every context (1K dense, 1K sparse, 4K dense, 4K sparse, ...), so that a ratio
+  between contexts is measured side by side too, not across minutes of a drifting machine;
+  medians over `repeats` rounds after a warm-up round (compilation)."""
   runs = {(ctx, name): _chunk_fn(eng, sch[i])
           for ctx, (dense, sparse, sch) in pairs.items()
           for i, (name, eng) in enumerate((("dense", dense), ("sparse", sparse)))}
