@@ -3,23 +3,27 @@ an aggressive constant budget, with and without DistillSparse, same seeds and da
 
     python experiments/sparse_rl_study.py --precheck                 # start model's avg@4
     python experiments/sparse_rl_study.py --arms dense,aggressive --seeds 0,1   # run/resume
-    python experiments/sparse_rl_study.py --arms tau --tau-schedule runs/calib/schedule.json
+    python experiments/sparse_rl_study.py --calibrate                # the tau arm's schedule
+    python experiments/sparse_rl_study.py --arms tau                 # ... used by default
     python experiments/sparse_rl_study.py --report                   # docs/sparse_rl_study.md
 
 Model and task: the `smollm2_135m_study` preset (SmolLM2-135M-Instruct from the shipped GGUF,
 boxed arithmetic with the chat template, responses of up to 256 tokens = 16 pages).
 
-Arms (`ARMS`): `dense` (schedule=dense); `tau` (`--tau-schedule`: a schedule calibrated on
-this model at tau=0.86 by experiments/calibrate.py); `aggressive` (`--aggressive`, default
-constant:2, whose p5 lies well under tau at these lengths); `aggressive_distill` (the same
-with DistillSparse). Every arm of a seed trains from the same start on the same prompts in
+Arms (`ARMS`): `dense` (schedule=dense); `tau` (a schedule calibrated on this model at
+tau=0.86: `--calibrate` runs experiments/calibrate.py on the first `--calib-prompts` training
+prompts of seed 0 with the run's page size, bin size, dense layers and response length, into
+RUNS/calib/schedule.json, which the arm then uses unless `--tau-schedule` names another);
+`aggressive` (`--aggressive`, default constant:2, whose p5 lies well under tau at these
+lengths); `aggressive_distill` (the same with DistillSparse). Every arm of a seed trains from the same start on the same prompts in
 the same order (the data order and request seeds follow the run seed).
 
 Each (arm, seed) trains into RUNS/ARM_sSEED with `experiments/train.py` in a subprocess
 (checkpoints every `save_every` steps; a run that stopped is continued with --resume, so an
 arm can be split across sessions), then its final policy is scored on the held-out problems
-(`heldout.jsonl` in RUNS: `--heldout` problems drawn with another seed, none among any seed's
-training prompts) with k=4 dense samples each; the sparse arms also report the exact alpha
+(`heldout.jsonl` in RUNS: `--heldout` problems drawn with another seed, none among the
+training prompts of seeds 0-9 or of any seed given; checked again before each arm) with k=4
+dense samples each; the sparse arms also report the exact alpha
 tail of their own sparse actor on those rollouts. Per step the run logs reward, response
 length and clip ratio, the monitor's top-k lower bound of p5 per position bin, the exact p5
 per bin on the step's first `exact_alpha_rows` rollouts (`exact_alpha_every=1`: teacher-
@@ -55,11 +59,11 @@ def arm_overrides(arm: str, args) -> list[str]:
   if arm == "dense":
     return ["schedule=dense", "distill=false"]
   if arm == "tau":
-    if not args.tau_schedule:
-      raise ValueError("arm 'tau' needs --tau-schedule: a schedule calibrated on this model "
-                       "(python experiments/calibrate.py --config smollm2_135m_study --tau "
-                       "0.86 ...)")
-    return [f"schedule={args.tau_schedule}", "distill=false"]
+    path = args.tau_schedule or os.path.join(args.runs, "calib", "schedule.json")
+    if not os.path.exists(path):
+      raise ValueError(f"arm 'tau' needs a schedule calibrated on this model: {path} does not "
+                       "exist (run --calibrate first, or pass --tau-schedule FILE)")
+    return [f"schedule={path}", "distill=false"]
   if arm == "aggressive":
     return [f"schedule={args.aggressive}", "distill=false"]
   if arm == "aggressive_distill":
@@ -97,6 +101,33 @@ def write_heldout(path: str, preset: str, seeds: list[int], n: int, keys: list[s
   return len(out)
 
 
+def calibration_command(args) -> list[str]:
+  """experiments/calibrate.py's arguments for the tau arm's schedule: the run's model, page
+  size, position bins, dense layers, response length, temperature and slots; prompts = the
+  first `--calib-prompts` training prompts of seed 0, written into RUNS."""
+  from sparrow_jax.run.builders import build_examples, build_schedule
+  from sparrow_jax.run.config import get_train_config
+
+  cfg = get_train_config(args.preset, list(args.keys) + ["seed=0"])
+  prompts = os.path.join(args.runs, "calib_prompts.jsonl")
+  with open(prompts, "w") as f:
+    for e in build_examples(cfg)[:args.calib_prompts]:
+      f.write(json.dumps({"prompt": e.prompt}) + "\n")
+  sched = build_schedule(cfg)  # the preset's sparse schedule: its dense layers and reserve
+  argv = [os.path.join("experiments", "calibrate.py"), "--config", cfg.model,
+          "--prompts", prompts, "--budgets", args.calib_budgets, "--tau", str(cfg.tau),
+          "--bin-size", str(cfg.mismatch_bin_size), "--page-size", str(cfg.page_size),
+          "--max-new-tokens", str(cfg.max_new_tokens), "--num-slots", str(cfg.num_slots),
+          "--temperature", str(cfg.temperature), "--dense-layers",
+          ",".join(str(i) for i in sched.dense_layers), "--out",
+          os.path.join(args.runs, "calib"), "--no-progress"]
+  if cfg.model_path:
+    argv += ["--model-path", cfg.model_path]
+  if not cfg.chat_template:
+    argv.append("--no-chat-template")
+  return argv
+
+
 def _python(*argv: str, log: str, capture: bool = False) -> tuple[int, str]:
   """Run a repository script with this interpreter; its output (stderr only when `capture`:
   stdout is then returned) is appended to `log`."""
@@ -123,6 +154,17 @@ def _eval(args, source: list[str], out_json: str, mode: str, log: str) -> dict:
   with open(out_json, "w") as f:
     json.dump(res, f, indent=1)
   return res
+
+
+def _check_held_out(cfg, path: str) -> None:
+  """The held-out set must share no problem with this run's training prompts."""
+  from sparrow_jax.run.builders import build_examples
+  with open(path) as f:
+    held = {json.loads(line)["prompt"] for line in f if line.strip()}
+  both = held & {e.prompt for e in build_examples(cfg)}
+  if both:
+    raise ValueError(f"{path} shares {len(both)} problems with seed {cfg.seed}'s training "
+                     f"prompts (e.g. {sorted(both)[0]!r}); delete it to draw a new one")
 
 
 def _done_steps(run_dir: str) -> int:
@@ -169,6 +211,7 @@ def run_arm(arm: str, seed: int, args) -> dict:
   keys = BASE + list(args.keys) + arm_overrides(arm, args) + [
       f"seed={seed}", f"out_dir={run_dir}", f"num_steps={args.steps}"]
   cfg = get_train_config(args.preset, keys)  # bad keys fail here, before any work
+  _check_held_out(cfg, args.heldout_path)
   t0 = time.perf_counter()
   done = _done_steps(run_dir)
   if done < args.steps:
@@ -285,7 +328,12 @@ def main(argv=None) -> int:
   ap.add_argument("--seeds", default="0", help="comma-separated run seeds")
   ap.add_argument("--steps", type=int, default=40)
   ap.add_argument("--aggressive", default="constant:2", help="the aggressive arms' schedule")
-  ap.add_argument("--tau-schedule", default="", help="the tau arm's calibrated schedule")
+  ap.add_argument("--tau-schedule", default="",
+                  help="the tau arm's schedule (default: RUNS/calib/schedule.json)")
+  ap.add_argument("--calibrate", action="store_true",
+                  help="calibrate the tau arm's schedule on this model and stop")
+  ap.add_argument("--calib-prompts", type=int, default=24, help="prompts to calibrate on")
+  ap.add_argument("--calib-budgets", default="1,2,4,8", help="budgets the calibration scores")
   ap.add_argument("--k", type=int, default=4, help="held-out samples per problem")
   ap.add_argument("--heldout", type=int, default=200, help="held-out problems")
   ap.add_argument("--runs", default="runs/sparse_rl_study", help="run directories")
@@ -301,13 +349,24 @@ def main(argv=None) -> int:
   try:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     seeds = [int(s) for s in args.seeds.split(",")]
-    for a in arms:
-      arm_overrides(a, args)  # every arm's arguments checked before any work
+    if not (args.calibrate or args.precheck):
+      for a in arms:
+        arm_overrides(a, args)  # every arm's arguments checked before any work
     os.makedirs(args.runs, exist_ok=True)
     args.heldout_path = os.path.join(args.runs, "heldout.jsonl")
     if not os.path.exists(args.heldout_path):
-      n = write_heldout(args.heldout_path, args.preset, seeds, args.heldout, list(args.keys))
+      n = write_heldout(args.heldout_path, args.preset, sorted(set(range(10)) | set(seeds)),
+                        args.heldout, list(args.keys))
       print(f"held-out set: {n} problems -> {args.heldout_path}")
+    if args.calibrate:
+      argv = calibration_command(args)
+      log = os.path.join(args.runs, "calib.log")
+      print(f"calibrating: python {' '.join(argv)}  (log {log})", flush=True)
+      rc, _ = _python(*argv, log=log)
+      if rc != 0:
+        raise RuntimeError(f"calibrate.py exited {rc}; see {log} (a rerun resumes)")
+      print(f"schedule -> {os.path.join(args.runs, 'calib', 'schedule.json')}")
+      return 0
     if args.precheck:
       ev = _before(args)
       print(f"start model: held-out avg@{args.k} {ev[f'eval/avg@{args.k}']:.3f}, "

@@ -24,6 +24,21 @@ def test_held_out_problems_are_disjoint_from_every_seeds_training_prompts(tmp_pa
   assert all(str(eval(r["prompt"].rstrip("="))) == r["answer"] for r in rows)  # a+b= sums
 
 
+def test_calibration_command_is_one_calibrate_py_accepts(tmp_path):
+  import argparse
+  import experiments.calibrate as calibrate
+  args = argparse.Namespace(preset="tiny", keys=["max_new_tokens=12"], runs=str(tmp_path),
+                            calib_prompts=5, calib_budgets="1,2")
+  argv = study.calibration_command(args)
+  parsed = calibrate.build_parser().parse_args(argv[1:])
+  cfg = get_train_config("tiny", ["max_new_tokens=12"])
+  assert (parsed.page_size, parsed.bin_size, parsed.max_new_tokens, parsed.tau) == (
+      cfg.page_size, cfg.mismatch_bin_size, 12, cfg.tau)
+  assert parsed.dense_layers == [0] and parsed.budgets == [1, 2]  # the preset's dense layer
+  prompts = [json.loads(line)["prompt"] for line in open(parsed.prompts)]
+  assert prompts == [e.prompt for e in build_examples(cfg)][:5]
+
+
 @pytest.mark.slow
 def test_arm_trains_resumes_and_reports(tmp_path, capsys):
   runs, out = tmp_path / "runs", tmp_path / "out"
