@@ -19,7 +19,7 @@ lengths); `aggressive_distill` (the same with DistillSparse). Every arm of a see
 the same order (the data order and request seeds follow the run seed).
 
 Each (arm, seed) trains into RUNS/ARM_sSEED with `experiments/train.py` in a subprocess
-(checkpoints every `save_every` steps; a run that stopped is continued with --resume, so an
+(a checkpoint every 2 steps, the last 2 kept; a run that stopped is continued with --resume, so an
 arm can be split across sessions), then its final policy is scored on the held-out problems
 (`heldout.jsonl` in RUNS: `--heldout` problems drawn with another seed, none among the
 training prompts of seeds 0-9 or of any seed given; checked again before each arm) with k=4
@@ -52,7 +52,8 @@ sys.path.insert(0, ROOT)
 
 ARMS = ("dense", "tau", "aggressive", "aggressive_distill")
 # Per-step logging the study reads; checkpoints often enough that a stopped arm loses little.
-BASE = ["exact_alpha_every=1", "tensorboard=false", "sample_every=0"]
+BASE = ["exact_alpha_every=1", "tensorboard=false", "sample_every=0", "save_every=2",
+        "keep_last=2"]
 
 
 def arm_overrides(arm: str, args) -> list[str]:
