@@ -225,6 +225,9 @@ def run_arm(arm: str, seed: int, args) -> dict:
       raise RuntimeError(f"{arm} seed {seed}: train.py exited {rc}; see {log} (rerun to "
                          "resume from its last checkpoint)")
   train_s = time.perf_counter() - t0
+  if args.train_only:
+    print(f"{arm} seed {seed}: trained to step {args.steps} (--train-only: not scored)")
+    return {}
   before = _before(args)
   tag = os.path.join(args.runs, f"{arm}_s{seed}_step{args.steps}")  # scores of that policy
   after = _eval(args, ["--checkpoint", run_dir], f"{tag}_eval_dense.json", "dense", log)
@@ -341,6 +344,8 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="docs/figures/sparse_rl_study", help="result JSONs")
   ap.add_argument("--report", action="store_true", help="write the table/figures and stop")
   ap.add_argument("--report-md", default="", help="with --report: also write this markdown")
+  ap.add_argument("--train-only", action="store_true",
+                  help="train (or resume) the arms, score nothing (a later call scores)")
   ap.add_argument("--precheck", action="store_true",
                   help="score the starting model on the held-out set and stop")
   ap.add_argument("keys", nargs="*", help="key=value overrides for every arm")

@@ -97,7 +97,7 @@ def plan_for_model(cfg: TrainConfig, mcfg, num_devices: int, *,
       logprob_micro_batch=lp_rows, logprob_seq_len=lp_len, logprob_topk=cfg.monitor_topk,
       skip_recompute=cfg.skips_recompute, distill=cfg.distill,
       release_kv_cache=cfg.release_kv_cache, prefill_len=cfg.max_prompt_len,
-      probe=bool(cfg.ladder.strip()) or bool(cfg.exact_alpha_every),
+      probe=bool(cfg.ladder.strip()) or (bool(cfg.exact_alpha_every) and cfg.schedule != "dense"),
       activation_dtype=activation_dtype, decode_backend=backend or decode_backend(cfg),
       decode_pages=decode_pages(cfg), max_prefill_tokens=cfg.max_prefill_tokens)
 

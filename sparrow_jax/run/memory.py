@@ -553,7 +553,7 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
     phases.append(PhasePlan(
         "probe", p_dev + lora_params + forward_ws(lb, lb_rows, lb_seq)
         + _RHO_FWD * lb * lb_seq * e_layer * a + fsdp_fwd, opt_b + ref_b + 3 * lora_params,
-        "ladder probe: dense and sparse(+LoRA) forwards"))
+        "ladder probe or exact alpha: dense and sparse(+LoRA) forwards"))
   phases.append(PhasePlan("update", 2 * p_dev + p_dev + act + fsdp, train_resident,
                           "forward/backward: params + gradient accumulator + gradients"))
   phases.append(PhasePlan("update_apply", p_dev + opt_b + p_dev + int(_APPLY * o_dev_elems * 4),

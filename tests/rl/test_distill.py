@@ -166,7 +166,7 @@ def test_min_gap_skips_the_step_and_keeps_lora_and_optimizer_state(setup):
 def test_p5_alpha_rises_with_distillation():
   """The acceptance test: N k3 steps on on-policy rollouts raise p5 alpha at that schedule."""
   cfg, graphdef, state = sharp_tiny()
-  b, t, p, n_steps = 4, 160, 16, 18
+  b, t, p, n_steps = 4, 160, 16, 12
   attention = sparse_spec(1)  # schedule constant:1 -> 1 page of 16 + 3 reserved of 10 pages
   schedule = constant(1).replace(dense_layers=(0,))
   lora = init_lora(cfg, LoRAConfig(rank=8), jax.random.key(1))

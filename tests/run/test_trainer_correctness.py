@@ -366,6 +366,7 @@ def test_distill_pg_term_moves_the_lora_and_leaves_the_policy_alone(tmp_path, mo
   # The tiny task's sparse actor equals the policy here: the KL-only run skips its LoRA step
   # (distill_min_gap), the PG term's run does not (its gradient is the advantages' signal).
   assert r["distill/no_gap"] == 0.0 and r_off["distill/no_gap"] == 1.0, (r, r_off)
+  assert 0.0 <= r_off["distill/max_abs_gap"] < 1e-4 and r_off["distill/skipped"] == 0.0
   with pytest.raises(ValueError, match="distill_pg_clip=0.0"):
     get_train_config("tiny", ["distill_pg_clip=0"])
   assert get_train_config("tiny", ["distill_pg_clip=null"]).distill_pg_clip is None
