@@ -218,10 +218,9 @@ def alpha_tail(alpha, mask, *, quantile: float = 5.0, bin_size: int | None = Non
   if bin_size is None:
     return float(np.percentile(alpha[m], quantile)) if m.sum() >= max(min_count, 1) else \
         float("nan")
-  pos = np.broadcast_to(np.arange(alpha.shape[1]), alpha.shape)[m] // bin_size
-  vals = alpha[m]
-  tails = [np.percentile(vals[pos == k], quantile) for k in np.unique(pos)
-           if np.sum(pos == k) >= max(min_count, 1)]
+  tails = [v for v, c in alpha_tails_per_bin(alpha, mask, bin_size=bin_size,
+                                             quantile=quantile).values()
+           if c >= max(min_count, 1)]
   return float(min(tails)) if tails else float("nan")
 
 
@@ -230,7 +229,7 @@ def alpha_tails_per_bin(alpha, mask, *, bin_size: int, quantile: float = 5.0
   """{bin: (quantile of alpha, token count)} per position bin of `bin_size` positions, from
   per-token alpha [B, T] and the mask of the tokens to count (entry 0 never counts); only
   bins that hold tokens appear."""
-  alpha = np.asarray(alpha, np.float64)
+  alpha = np.asarray(alpha)
   m = np.array(mask) > 0
   m[:, 0] = False
   pos = np.broadcast_to(np.arange(alpha.shape[1]), alpha.shape)[m] // bin_size
