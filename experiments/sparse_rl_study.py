@@ -102,6 +102,40 @@ def write_heldout(path: str, preset: str, seeds: list[int], n: int, keys: list[s
   return len(out)
 
 
+def write_split(runs: str, preset: str, n_train: int, n_heldout: int, keys: list[str]
+                ) -> tuple[str, str]:
+  """A fixed train / held-out split of the preset's synthetic task: the distinct problems of a
+  large draw (seed no run uses) shuffled once, the first `n_heldout` held out, the next
+  `n_train` the training set every arm and seed uses (seeds then change the data order and the
+  sampling only). For tasks whose problem space is small (1-digit operands: 300 problems over
+  + - *), where per-seed draws would cover it. Returns (train path, held-out path)."""
+  import numpy as np
+  from sparrow_jax.rl import data as data_lib
+  from sparrow_jax.run.config import get_train_config
+
+  cfg = get_train_config(preset, keys)
+  if not cfg.data.startswith("synthetic:"):
+    raise ValueError(f"preset {preset!r} trains on data={cfg.data!r}: --train-problems needs "
+                     "a synthetic task")
+  acfg = data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
+                                   max_digits=cfg.arith_max_digits,
+                                   operations=tuple(cfg.arith_ops), template=cfg.arith_template)
+  pool = {}
+  for e in data_lib.arithmetic_examples(20 * (n_train + n_heldout) + 2000, seed=987_654_321,
+                                        config=acfg):
+    pool.setdefault(e.prompt, e.answer)
+  if len(pool) < n_train + n_heldout:
+    raise ValueError(f"preset {preset!r}'s task has {len(pool)} distinct problems; "
+                     f"--train-problems {n_train} + --heldout {n_heldout} need more")
+  order = np.random.default_rng(123).permutation(sorted(pool))
+  paths = (os.path.join(runs, "train.jsonl"), os.path.join(runs, "heldout.jsonl"))
+  os.makedirs(runs, exist_ok=True)
+  for path, part in zip(paths, (order[n_heldout:n_heldout + n_train], order[:n_heldout])):
+    with open(path, "w") as f:
+      f.writelines(json.dumps({"prompt": str(q), "answer": pool[q]}) + "\n" for q in part)
+  return paths
+
+
 def calibration_command(args) -> list[str]:
   """experiments/calibrate.py's arguments for the tau arm's schedule: the run's model, page
   size, position bins, dense layers, response length, temperature and slots; prompts = the
@@ -109,7 +143,8 @@ def calibration_command(args) -> list[str]:
   from sparrow_jax.run.builders import build_examples, build_schedule
   from sparrow_jax.run.config import get_train_config
 
-  cfg = get_train_config(args.preset, list(args.keys) + ["seed=0"])
+  data = [f"data={os.path.abspath(args.train_path)}"] if getattr(args, "train_path", "") else []
+  cfg = get_train_config(args.preset, list(args.keys) + ["seed=0"] + data)
   prompts = os.path.join(args.runs, "calib_prompts.jsonl")
   with open(prompts, "w") as f:
     for e in build_examples(cfg)[:args.calib_prompts]:
@@ -148,6 +183,7 @@ def _eval(args, source: list[str], out_json: str, mode: str, log: str) -> dict:
       return json.load(f)
   rc, out = _python(os.path.join("experiments", "eval.py"), *source, "--data",
                     os.path.abspath(args.heldout_path), "--k", str(args.k), "--mode", mode,
+                    "--temperature", str(args.temperature),
                     "--json", log=log, capture=True)
   if rc != 0:
     raise RuntimeError(f"eval.py {' '.join(source)} --mode {mode} failed (exit {rc}); see {log}")
@@ -210,7 +246,7 @@ def run_arm(arm: str, seed: int, args) -> dict:
   run_dir = os.path.join(args.runs, f"{arm}_s{seed}")
   log = os.path.join(args.runs, f"{arm}_s{seed}.log")
   keys = BASE + list(args.keys) + arm_overrides(arm, args) + [
-      f"seed={seed}", f"out_dir={run_dir}", f"num_steps={args.steps}"]
+      f"seed={seed}", f"out_dir={run_dir}", f"num_steps={args.steps}"] + _data_keys(args)
   cfg = get_train_config(args.preset, keys)  # bad keys fail here, before any work
   _check_held_out(cfg, args.heldout_path)
   t0 = time.perf_counter()
@@ -254,10 +290,15 @@ def run_arm(arm: str, seed: int, args) -> dict:
   return res
 
 
+def _data_keys(args) -> list[str]:
+  """The fixed training set of --train-problems (an absolute path: train.py runs in ROOT)."""
+  return [f"data={os.path.abspath(args.train_path)}"] if args.train_path else []
+
+
 def _before(args) -> dict:
   """Held-out score of the starting model (the preset's weights before any training: the
   same for every arm and seed; eval.py's sampling seeds are fixed), cached in RUNS."""
-  return _eval(args, ["--config", args.preset, *args.keys],
+  return _eval(args, ["--config", args.preset, *args.keys, *_data_keys(args)],
                os.path.join(args.runs, "start_eval.json"), "dense",
                os.path.join(args.runs, "start.log"))
 
@@ -340,6 +381,10 @@ def main(argv=None) -> int:
   ap.add_argument("--calib-budgets", default="1,2,4,8", help="budgets the calibration scores")
   ap.add_argument("--k", type=int, default=4, help="held-out samples per problem")
   ap.add_argument("--heldout", type=int, default=200, help="held-out problems")
+  ap.add_argument("--train-problems", type=int, default=100,
+                  help="a fixed train/held-out split of the task with this many training "
+                       "problems, the same for every arm and seed (0: each seed draws the "
+                       "preset's own num_examples, the held-out set avoids them all)")
   ap.add_argument("--runs", default="runs/sparse_rl_study", help="run directories")
   ap.add_argument("--out", default="docs/figures/sparse_rl_study", help="result JSONs")
   ap.add_argument("--report", action="store_true", help="write the table/figures and stop")
@@ -359,8 +404,21 @@ def main(argv=None) -> int:
       for a in arms:
         arm_overrides(a, args)  # every arm's arguments checked before any work
     os.makedirs(args.runs, exist_ok=True)
+    if not any(k.startswith("compile_cache_dir=") for k in args.keys):
+      # every arm, resume and evaluation shares the programs it has compiled
+      args.keys = list(args.keys) + [
+          f"compile_cache_dir={os.path.abspath(os.path.join(args.runs, 'jax_cache'))}"]
+    from sparrow_jax.run.config import get_train_config
+    args.temperature = get_train_config(args.preset, list(args.keys)).temperature
     args.heldout_path = os.path.join(args.runs, "heldout.jsonl")
-    if not os.path.exists(args.heldout_path):
+    args.train_path = ""
+    if args.train_problems:
+      args.train_path = os.path.join(args.runs, "train.jsonl")
+      if not (os.path.exists(args.train_path) and os.path.exists(args.heldout_path)):
+        write_split(args.runs, args.preset, args.train_problems, args.heldout, list(args.keys))
+        print(f"fixed split: {args.train_problems} training problems -> {args.train_path}, "
+              f"{args.heldout} held out -> {args.heldout_path}")
+    elif not os.path.exists(args.heldout_path):
       n = write_heldout(args.heldout_path, args.preset, sorted(set(range(10)) | set(seeds)),
                         args.heldout, list(args.keys))
       print(f"held-out set: {n} problems -> {args.heldout_path}")

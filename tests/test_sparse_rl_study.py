@@ -24,6 +24,19 @@ def test_held_out_problems_are_disjoint_from_every_seeds_training_prompts(tmp_pa
   assert all(str(eval(r["prompt"].rstrip("="))) == r["answer"] for r in rows)  # a+b= sums
 
 
+def test_fixed_split_is_disjoint_and_every_arm_trains_on_it(tmp_path):
+  train, held = study.write_split(str(tmp_path), "tiny", 60, 30, [])
+  tr = [json.loads(line) for line in open(train)]
+  ho = [json.loads(line) for line in open(held)]
+  assert len(tr) == 60 and len(ho) == 30
+  assert len({r["prompt"] for r in tr + ho}) == 90  # distinct, and no problem in both
+  assert all(str(eval(r["prompt"].rstrip("="))) == r["answer"] for r in tr + ho)
+  assert study.write_split(str(tmp_path / "again"), "tiny", 60, 30, []) and open(
+      tmp_path / "again" / "heldout.jsonl").read() == open(held).read()  # one fixed split
+  with pytest.raises(ValueError, match="100 distinct problems"):  # tiny: a+b, 1 digit
+    study.write_split(str(tmp_path), "tiny", 80, 30, [])
+
+
 def test_calibration_command_is_one_calibrate_py_accepts(tmp_path):
   import argparse
   import experiments.calibrate as calibrate
@@ -43,8 +56,8 @@ def test_calibration_command_is_one_calibrate_py_accepts(tmp_path):
 def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   runs, out = tmp_path / "runs", tmp_path / "out"
   common = ["--preset", "tiny", "--arms", "aggressive_distill", "--aggressive", "constant:1",
-            "--seeds", "0", "--k", "2", "--heldout", "8", "--runs", str(runs), "--out", str(out),
-            *KEYS]
+            "--seeds", "0", "--k", "2", "--heldout", "8", "--train-problems", "20",
+            "--runs", str(runs), "--out", str(out), *KEYS]
   assert study.main(common + ["--steps", "1", "--train-only"]) == 0
   assert not out.exists() and (runs / "aggressive_distill_s0" / "metrics.jsonl").exists()
   # A longer --steps continues the same run with train.py --resume and the same keys
@@ -56,6 +69,7 @@ def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   (argv,) = calls
   assert argv[0].endswith("train.py") and "--resume" in argv and "num_steps=2" in argv
   assert "schedule=constant:1" in argv and "distill=true" in argv and "seed=0" in argv
+  assert f"data={runs / 'train.jsonl'}" in argv  # every arm trains on the fixed split
   assert study.main(common + ["--steps", "1"]) == 0  # trained already: scores only
   res = json.load(open(out / "aggressive_distill_s0.json"))
   assert res["steps"] == [1] and res["arm"] == "aggressive_distill" and res["seed"] == 0

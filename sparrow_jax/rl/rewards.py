@@ -11,6 +11,10 @@ that `grpo.group_advantages` turns into A_i); `reward=module.path:function` or
                 string; fast, no sympy.
   exact_match   the whole completion compared with the answer after light normalisation
                 (whitespace, case, trailing period, `$`), for the raw synthetic task.
+  boxed_or_last_number
+                the last `\\boxed{...}` when the completion has one, else its last number
+                (lm-eval's "flexible extract"), compared as boxed_exact does: for small
+                models that answer correctly in prose but seldom box the answer.
 
 DAPO soft overlong punishment (`overlong_penalty`), counted in tokens: with maximum length
 L_max and buffer L_cache, a response of length L gets 0 when L <= L_max - L_cache,
@@ -124,6 +128,28 @@ def exact_match(completion: str, answer: str) -> float:
 @register_reward("boxed_exact")
 def boxed_exact(completion: str, answer: str) -> float:
   pred = last_boxed(completion)
+  if pred is None:
+    return 0.0
+  gold = last_boxed(answer)
+  gold = answer if gold is None else gold
+  return float(normalize_answer(pred) == normalize_answer(gold))
+
+
+_NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
+
+
+def last_number(text: str) -> str | None:
+  """The last number written in `text` (sign, thousands separators and decimals kept, a
+  trailing period dropped), or None when there is none."""
+  found = _NUMBER.findall(text)
+  return found[-1] if found else None
+
+
+@register_reward("boxed_or_last_number")
+def boxed_or_last_number(completion: str, answer: str) -> float:
+  pred = last_boxed(completion)
+  if pred is None:
+    pred = last_number(completion)
   if pred is None:
     return 0.0
   gold = last_boxed(answer)

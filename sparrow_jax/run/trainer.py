@@ -99,6 +99,18 @@ class TrainingInterrupted(RuntimeError):
 
 # --- building blocks -----------------------------------------------------------------------
 
+def enable_compile_cache(path: str) -> str:
+  """Turn on JAX's persistent compilation cache in `path` (created) for every program that
+  takes >= 1 s to compile; returns the absolute path. Works as long as nothing has compiled
+  with a cache directory set before (JAX initialises its cache once, at the first compile
+  that has one)."""
+  path = os.path.abspath(os.path.expanduser(path))
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return path
+
+
 class Trainer:
   def __init__(self, cfg: TrainConfig, *, quiet: bool = False, with_dataset: bool = True,
                checked: Preflight | None = None):
@@ -109,6 +121,8 @@ class Trainer:
     self.quiet = quiet
     # Everything cheap is checked before the (slow) model load.
     checked = checked or preflight(cfg, with_dataset=with_dataset)
+    if cfg.compile_cache_dir:
+      enable_compile_cache(cfg.compile_cache_dir)
     # A multi-host job is joined by the program's entry point, before jax starts
     # (`distributed.initialize`); a job described but not joined is an error here.
     distributed.require_initialized()

@@ -72,6 +72,21 @@ def test_boxed_exact(completion, answer, want):
 
 
 @pytest.mark.parametrize("completion, answer, want", [
+    ("8 - 6 = 2\n\nSo the answer is 2.", "2", 1.0),  # prose: the last number
+    ("2+3 = 5, and 5 is odd", "5", 1.0),
+    ("8-6 = 2, then 2+1 = 3", "2", 0.0),  # the last number is the one it commits to
+    (r"5 and \boxed{-11}, then 3", "-11", 1.0),  # a box wins over later numbers
+    (r"\boxed{4} but really 5", "5", 0.0),
+    ("0-1 = -1", "-1", 1.0), ("it is 1,000.", "1000", 1.0), ("2.50", "2.5", 0.0),
+    ("no digits", "3", 0.0), ("", "3", 0.0),
+    ("7", r"\boxed{7}", 1.0),  # a boxed gold answer is unboxed
+])
+def test_boxed_or_last_number(completion, answer, want):
+  assert R.boxed_or_last_number(completion, answer) == want
+  assert R.get_reward("boxed_or_last_number") is R.boxed_or_last_number
+
+
+@pytest.mark.parametrize("completion, answer, want", [
     (" 85\n", "85", 1.0), ("85.", "85", 1.0), ("$85$", "85", 1.0), ("Yes", "yes", 1.0),
     ("8 5", "85", 0.0), ("-85", "85", 0.0),
 ])
