@@ -220,6 +220,8 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
                  if k.startswith("mismatch/exact_p5_bin_")})
   exact = [v for v in get("mismatch/exact_p5") if v is not None and math.isfinite(v)]
   bound = [v for v in get("mismatch/p5_overall") if v is not None and math.isfinite(v)]
+  same = [v for v in get("mismatch/bound_p5_exact_rows") if v is not None and math.isfinite(v)]
+  gap = [v for v in get("mismatch/exact_bound_gap") if v is not None and math.isfinite(v)]
   roll = [v for v in get("time/rollout_s") if v is not None]
   out = {
       "steps": steps, "reward": get("reward/mean"), "len_mean": get("response/len_mean"),
@@ -233,6 +235,10 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
       "p5_exact_min": min(exact) if exact else None,
       "p5_exact_mean": statistics.fmean(exact) if exact else None,
       "p5_bound_min": min(bound) if bound else None,
+      # the monitor's bound on the exact rows' tokens: p5 (min over bins) and mean gap
+      "p5_bound_exact_rows": get("mismatch/bound_p5_exact_rows"),
+      "p5_bound_exact_rows_mean": statistics.fmean(same) if same else None,
+      "exact_bound_gap_mean": statistics.fmean(gap) if gap else None,
       "steps_exact_below_tau": sum(v < tau for v in exact),
   }
   return out
@@ -316,8 +322,9 @@ def report(args) -> int:
     return 2
   k = args.k
   lines = [f"| arm | seed | steps | schedule | held-out avg@{k} before | after | pass@{k} after | "
-           "rollout s/step | exact p5 mean | exact p5 min | monitor bound min |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+           "rollout s/step | exact p5 mean | exact p5 min | monitor bound min | "
+           "bound on the exact rows, mean |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"
   for r in sorted(rows, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 9,
                                        r["seed"])):
@@ -325,7 +332,7 @@ def report(args) -> int:
                  f"{fmt(r[f'heldout_avg{k}_before'])} | {fmt(r[f'heldout_avg{k}_after'])} | "
                  f"{fmt(r[f'heldout_pass{k}_after'])} | {fmt(r['rollout_s_per_step'], 1)} | "
                  f"{fmt(r['p5_exact_mean'])} | {fmt(r['p5_exact_min'])} | "
-                 f"{fmt(r['p5_bound_min'])} |")
+                 f"{fmt(r['p5_bound_min'])} | {fmt(r.get('p5_bound_exact_rows_mean'))} |")
   table = "\n".join(lines) + "\n"
   fig = _figures(rows, args.out)
   print(table)

@@ -81,6 +81,9 @@ def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
       "aggressive_distill_s0_step1_eval_sparse_lora.json", "start_eval.json"]
   assert 0.0 < res["p5_exact_min"] <= res["p5_exact_mean"] <= 1.0
   assert res["p5_bound_min"] <= res["p5_exact_min"] + 1e-4  # the monitor's bound is below
+  # ... on the same rows' tokens too (rows=0: all of them), token by token
+  assert res["p5_bound_exact_rows_mean"] <= res["p5_exact_mean"] + 1e-4
+  assert res["exact_bound_gap_mean"] >= 0.0
   assert res["rollout_s_per_step"] > 0 and 0 < res["heldout_alpha_p5_after"] <= 1.0
   assert len(res["reward"]) == len(res["clip_ratio"]) == 1 and res["p5_exact_bins"]
   capsys.readouterr()

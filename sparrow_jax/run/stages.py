@@ -39,7 +39,8 @@ import numpy as np
 
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import grpo
-from sparrow_jax.rl.monitor import tempered_topk_logprobs
+from sparrow_jax.rl.monitor import lower_bound_alpha, tempered_topk_logprobs
+from sparrow_jax.rl.switching import alpha_tails_per_bin
 from sparrow_jax.run import microbatch as mb_lib
 from sparrow_jax.run.builders import _frac_zero_var
 
@@ -69,6 +70,7 @@ class StepBatch:
   all_finite: bool = True
   out: dict = dataclasses.field(default_factory=dict)  # metrics of every stage
   times: dict = dataclasses.field(default_factory=dict)
+  exact_token_alpha: np.ndarray | None = None  # [rows, T] exact alpha of the first rows
 
 
 # --- stages --------------------------------------------------------------------------------
@@ -112,7 +114,8 @@ def recompute(tr, sb: StepBatch) -> None:
 def exact_alpha(tr, sb: StepBatch) -> None:
   every = tr.cfg.exact_alpha_every
   if every and sb.step % every == 0:
-    sb.out.update(tr.exact_alpha(sb.arrays))
+    out, sb.exact_token_alpha = tr.exact_alpha(sb.arrays, with_tokens=True)
+    sb.out.update(out)
 
 
 def advantages(tr, sb: StepBatch) -> None:
@@ -157,6 +160,27 @@ def monitor(tr, sb: StepBatch) -> None:
                                      tr.model_cfg.vocab_size)
   sb.out.update(tr.monitor.update(a["rollout_topk_ids"], sparse_lp, a["dense_topk_ids"],
                                   a["dense_topk_logp"], a["mask"], step=sb.step))
+  if sb.exact_token_alpha is not None:
+    sb.out.update(bound_vs_exact(a, sparse_lp, sb.exact_token_alpha, tr.cfg.mismatch_bin_size))
+
+
+def bound_vs_exact(a, sparse_lp, exact, bin_size: int) -> dict[str, float]:
+  """The monitor's top-k bound on exactly the rows (and tokens) exact alpha was computed on:
+  its tail per bin as `mismatch/exact_p5` takes it (`mismatch/bound_p5_exact_rows`, min over
+  bins), the mean gap exact - bound and the fraction of tokens where the bound exceeds the
+  exact value by more than float32 noise (a lower bound never should: a live check of both)."""
+  rows = exact.shape[0]
+  bound = lower_bound_alpha(a["rollout_topk_ids"][:rows], sparse_lp[:rows],
+                            a["dense_topk_ids"][:rows], a["dense_topk_logp"][:rows])
+  m = np.array(a["mask"][:rows]) > 0
+  m[:, 0] = False
+  tails = alpha_tails_per_bin(bound, m, bin_size=bin_size)
+  if not tails:
+    return {}
+  gap = exact[m] - bound[m]
+  return {"mismatch/bound_p5_exact_rows": min(v for v, _ in tails.values()),
+          "mismatch/exact_bound_gap": float(np.mean(gap)),
+          "mismatch/bound_above_exact_frac": float(np.mean(gap < -1e-3))}
 
 
 def ladder(tr, sb: StepBatch) -> None:

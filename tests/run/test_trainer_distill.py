@@ -3,6 +3,7 @@ trained, and the schedule ladder switches exactly when the probe tail stays abov
 
 import jax
 import numpy as np
+import pytest
 
 from sparrow_jax.run.config import get_train_config
 from sparrow_jax.run.metrics import read_jsonl
@@ -55,6 +56,11 @@ def _assert_exact_alpha_bounded_below_by_the_monitor(rec):
     exact, bound = rec[f"mismatch/exact_p5_bin_{b}"], rec[f"mismatch/p5_bin_{b}"]
     assert 0.0 < bound <= exact + 1e-4 <= 1.0 + 1e-4, (b, bound, exact)
     assert rec[f"mismatch/exact_count_bin_{b}"] == rec[f"mismatch/count_bin_{b}"], b
+  # The same bound restricted to the exact rows (all of them here) and checked token by token.
+  assert rec["mismatch/bound_p5_exact_rows"] == pytest.approx(
+      min(rec[f"mismatch/p5_bin_{b}"] for b in bins), abs=1e-6)
+  assert rec["mismatch/bound_above_exact_frac"] == 0.0
+  assert 0.0 <= rec["mismatch/exact_bound_gap"] < 1.0
   assert rec["time/exact_alpha_s"] > 0
 
 
