@@ -76,7 +76,7 @@ def write_heldout(path: str, preset: str, seeds: list[int], n: int, keys: list[s
   """`n` problems of the preset's task drawn with a seed no run uses, none of them among the
   training prompts of any of `seeds` (same arith settings); returns how many were written."""
   from sparrow_jax.rl import data as data_lib
-  from sparrow_jax.run.builders import build_examples
+  from sparrow_jax.run.builders import arithmetic_config, build_examples
   from sparrow_jax.run.config import get_train_config
 
   cfg = get_train_config(preset, keys)
@@ -86,9 +86,7 @@ def write_heldout(path: str, preset: str, seeds: list[int], n: int, keys: list[s
   train = set()
   for s in seeds:
     train |= {e.prompt for e in build_examples(cfg.replace(seed=s))}
-  acfg = data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
-                                   max_digits=cfg.arith_max_digits,
-                                   operations=tuple(cfg.arith_ops), template=cfg.arith_template)
+  acfg = arithmetic_config(cfg)
   out, seen = [], set()
   for e in data_lib.arithmetic_examples(20 * n + 100, seed=987_654_321, config=acfg):
     if e.prompt not in train and e.prompt not in seen:
@@ -111,15 +109,14 @@ def write_split(runs: str, preset: str, n_train: int, n_heldout: int, keys: list
   + - *), where per-seed draws would cover it. Returns (train path, held-out path)."""
   import numpy as np
   from sparrow_jax.rl import data as data_lib
+  from sparrow_jax.run.builders import arithmetic_config
   from sparrow_jax.run.config import get_train_config
 
   cfg = get_train_config(preset, keys)
   if not cfg.data.startswith("synthetic:"):
     raise ValueError(f"preset {preset!r} trains on data={cfg.data!r}: --train-problems needs "
                      "a synthetic task")
-  acfg = data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
-                                   max_digits=cfg.arith_max_digits,
-                                   operations=tuple(cfg.arith_ops), template=cfg.arith_template)
+  acfg = arithmetic_config(cfg)
   pool = {}
   for e in data_lib.arithmetic_examples(20 * (n_train + n_heldout) + 2000, seed=987_654_321,
                                         config=acfg):
@@ -143,8 +140,7 @@ def calibration_command(args) -> list[str]:
   from sparrow_jax.run.builders import build_examples, build_schedule
   from sparrow_jax.run.config import get_train_config
 
-  data = [f"data={os.path.abspath(args.train_path)}"] if getattr(args, "train_path", "") else []
-  cfg = get_train_config(args.preset, list(args.keys) + ["seed=0"] + data)
+  cfg = get_train_config(args.preset, list(args.keys) + ["seed=0"] + _data_keys(args))
   prompts = os.path.join(args.runs, "calib_prompts.jsonl")
   with open(prompts, "w") as f:
     for e in build_examples(cfg)[:args.calib_prompts]:
@@ -298,7 +294,8 @@ def run_arm(arm: str, seed: int, args) -> dict:
 
 def _data_keys(args) -> list[str]:
   """The fixed training set of --train-problems (an absolute path: train.py runs in ROOT)."""
-  return [f"data={os.path.abspath(args.train_path)}"] if args.train_path else []
+  path = getattr(args, "train_path", "")
+  return [f"data={os.path.abspath(path)}"] if path else []
 
 
 def _before(args) -> dict:

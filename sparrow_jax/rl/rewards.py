@@ -125,14 +125,18 @@ def exact_match(completion: str, answer: str) -> float:
   return float(normalize_answer(completion) == normalize_answer(answer))
 
 
-@register_reward("boxed_exact")
-def boxed_exact(completion: str, answer: str) -> float:
-  pred = last_boxed(completion)
+def _matches(pred: str | None, answer: str) -> float:
+  """1.0 when `pred` equals the answer (its last box, if it has one) after normalisation."""
   if pred is None:
     return 0.0
   gold = last_boxed(answer)
   gold = answer if gold is None else gold
   return float(normalize_answer(pred) == normalize_answer(gold))
+
+
+@register_reward("boxed_exact")
+def boxed_exact(completion: str, answer: str) -> float:
+  return _matches(last_boxed(completion), answer)
 
 
 _NUMBER = re.compile(r"-?\d+(?:,\d{3})*(?:\.\d+)?")
@@ -148,13 +152,7 @@ def last_number(text: str) -> str | None:
 @register_reward("boxed_or_last_number")
 def boxed_or_last_number(completion: str, answer: str) -> float:
   pred = last_boxed(completion)
-  if pred is None:
-    pred = last_number(completion)
-  if pred is None:
-    return 0.0
-  gold = last_boxed(answer)
-  gold = answer if gold is None else gold
-  return float(normalize_answer(pred) == normalize_answer(gold))
+  return _matches(last_number(completion) if pred is None else pred, answer)
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):

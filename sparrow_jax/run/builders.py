@@ -91,17 +91,21 @@ def build_schedule(cfg: TrainConfig, spec: str | None = None) -> SparsitySchedul
   return dataclasses.replace(sched, **kw) if kw else sched
 
 
+def arithmetic_config(cfg: TrainConfig) -> data_lib.ArithmeticConfig:
+  """The synthetic arithmetic task of a config's `arith_*` keys."""
+  return data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
+                                   max_digits=cfg.arith_max_digits,
+                                   operations=tuple(cfg.arith_ops), template=cfg.arith_template)
+
+
 def build_examples(cfg: TrainConfig) -> list[data_lib.PromptExample]:
   if cfg.data.startswith("synthetic:"):
     task = cfg.data.split(":", 1)[1]
     if task != "arithmetic":
       raise ValueError(f"data={cfg.data!r}: the built-in synthetic task is "
                        "'synthetic:arithmetic'")
-    acfg = data_lib.ArithmeticConfig(min_digits=cfg.arith_min_digits,
-                                     max_digits=cfg.arith_max_digits,
-                                     operations=tuple(cfg.arith_ops),
-                                     template=cfg.arith_template)
-    return data_lib.arithmetic_examples(cfg.num_examples, seed=cfg.seed, config=acfg)
+    return data_lib.arithmetic_examples(cfg.num_examples, seed=cfg.seed,
+                                        config=arithmetic_config(cfg))
   if not cfg.data:
     raise ValueError("data= is required for this preset (a local .jsonl or .parquet file)")
   if not os.path.exists(cfg.data):

@@ -367,11 +367,9 @@ PRESETS: dict[str, TrainConfig] = {
         # CPU-sized: layers recomputed in the backward pass, micro-batches of at most 4K
         # tokens (the update then needs ~2 GB beside the weights at any response length).
         remat=True, max_tokens_per_micro_batch=4096),
-    # The real-model study on a 2-core CPU (issue 22): responses of up to 256 tokens (boxed
-    # arithmetic answers with the chat template; the instruct model's working runs to ~100-200
-    # tokens), 16 rollouts a step, tens of steps. A step is a few minutes here: rollout of
-    # 16 x <= 256 tokens, one update over <= 16 x 384 tokens in micro-batches of <= 4K
-    # tokens (remat: ~2 GB beside the weights); the redundant recompute is skipped.
+    # The real-model study on a 2-core CPU (issues 20, 22): responses of up to 256 tokens,
+    # 16 rollouts a step, 40 steps; a step is ~15-25 s here (one update over the step's
+    # tokens in micro-batches of <= 4K tokens, remat; the redundant recompute is skipped).
     # The task is what this model can half do (issue 20's pre-check: avg@4 0.2-0.6): the
     # Q4_1 135M model at T=1 writes noise and boxes <10% of its answers, at T=0.7 it gets
     # ~0.4 of 1-digit problems right in prose, 0.09 of 1-2 digit ones; hence 1-digit + - *,

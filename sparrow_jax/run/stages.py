@@ -114,7 +114,7 @@ def recompute(tr, sb: StepBatch) -> None:
 def exact_alpha(tr, sb: StepBatch) -> None:
   every = tr.cfg.exact_alpha_every
   if every and sb.step % every == 0:
-    out, sb.exact_token_alpha = tr.exact_alpha(sb.arrays, with_tokens=True)
+    out, sb.exact_token_alpha = tr.exact_alpha(sb.arrays)
     sb.out.update(out)
 
 

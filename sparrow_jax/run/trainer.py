@@ -714,15 +714,15 @@ class Trainer:
     `schedule` over `mask`'s tokens of a batch (micro-batched; `switching.alpha_tail`)."""
     return alpha_tail(self.token_alpha(arrays, schedule, lora, plan), mask, **kw)
 
-  def exact_alpha(self, arrays, *, with_tokens: bool = False):
+  def exact_alpha(self, arrays) -> tuple[dict[str, float], np.ndarray | None]:
     """`exact_alpha_every`: the exact tail of alpha_t per position bin of the rollout actor
     (the current schedule, with its LoRA) against the dense policy that generated the
     rollouts, teacher-forced on the first `exact_alpha_rows` rollouts of the step (all with
     0), over their response tokens: what the monitor's top-k statistic bounds from below.
-    Returns the metrics, or (metrics, per-token alpha [rows, T] or None) with `with_tokens`."""
+    Returns (metrics, per-token alpha [rows, T]); ({}, None) for a dense schedule."""
     cfg = self.cfg
     if self.schedule.is_dense:
-      return ({}, None) if with_tokens else {}
+      return {}, None
     n = int(np.shape(arrays["tokens"])[0])
     rows = n if not cfg.exact_alpha_rows else min(cfg.exact_alpha_rows, n)
     sub = {k: np.asarray(arrays[k])[:rows] for k in ("tokens", "prompt_lens", "lengths", "mask")}
@@ -735,7 +735,7 @@ class Trainer:
     for k, (v, c) in tails.items():
       out[f"mismatch/exact_p5_bin_{k}"] = v
       out[f"mismatch/exact_count_bin_{k}"] = float(c)
-    return (out, np.asarray(alpha)) if with_tokens else out
+    return out, np.asarray(alpha)
 
   def arrol_update(self, comps, rewards, pruned, rho_hat) -> dict[str, Any]:
     """Train the quality head on this step's labelled rollouts (label: reward > 0) and report
