@@ -154,6 +154,9 @@ def monitor(tr, sb: StepBatch) -> None:
   engine keeps the untempered top-k: `tempered_topk_logprobs` bounds the tempered values from
   below, so the result stays a lower bound (exact at T = 1)."""
   a = sb.arrays
+  if "old_logp" in a:
+    sb.out.update(rollout_is_stats(a["old_logp"], a["rollout_logp"], a["mask"],
+                                   cap=tr.loss_cfg.tis_cap))
   if "dense_topk_ids" not in a:
     return
   sparse_lp = tempered_topk_logprobs(a["rollout_topk_logp"], tr.temperature,
@@ -162,6 +165,27 @@ def monitor(tr, sb: StepBatch) -> None:
                                   a["dense_topk_logp"], a["mask"], step=sb.step))
   if sb.exact_token_alpha is not None:
     sb.out.update(bound_vs_exact(a, sparse_lp, sb.exact_token_alpha, tr.cfg.mismatch_bin_size))
+
+
+def rollout_is_stats(old_logp, rollout_logp, mask, cap: float | None = None
+                     ) -> dict[str, float]:
+  """Importance ratios rho_t = pi_dense(y_t) / q_actor(y_t) = exp(old_logp - rollout_logp) of
+  the sampled tokens (`mask`: response tokens), logged every step whether or not the loss
+  corrects with them (TIS is on when `tis_cap` is set): mean (1 in expectation under q),
+  5th / 95th percentile, min, max, the fraction above the TIS cap C (`cap`, or 2 when TIS is
+  off: what a cap of 2 would truncate) and KL(q || pi) by the k3 estimate E_q[rho - 1 - log rho]
+  (non-negative token by token, lower variance than E_q[-log rho])."""
+  m = np.asarray(mask) > 0
+  if not m.any():
+    return {}
+  log_rho = (np.asarray(old_logp, np.float64) - np.asarray(rollout_logp, np.float64))[m]
+  rho = np.exp(log_rho)
+  c = 2.0 if cap is None else float(cap)
+  p5, p95 = np.percentile(rho, [5, 95])
+  return {"tis/ratio_mean": float(rho.mean()), "tis/ratio_p5": float(p5),
+          "tis/ratio_p95": float(p95), "tis/ratio_min": float(rho.min()),
+          "tis/ratio_max": float(rho.max()), "tis/frac_above_cap": float(np.mean(rho > c)),
+          "tis/kl_rollout_vs_policy": float(np.mean(rho - 1 - log_rho))}
 
 
 def bound_vs_exact(a, sparse_lp, exact, bin_size: int) -> dict[str, float]:

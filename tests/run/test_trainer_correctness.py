@@ -214,6 +214,31 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   assert abs(float(metrics["ratio_max"]) - 1) < 1e-5 and abs(float(metrics["ratio_min"]) - 1) < 1e-5
 
 
+def test_logged_tis_ratios_are_one_on_dense_tempered_rollouts(tmp_path):
+  # Wiring of the per-step TIS statistics: the trainer's dense old log-probs against the
+  # engine's sampling log-probs at T = 0.7; a temperature or mask mix-up moves them off 1.
+  tr = _trainer(tmp_path, "distill=false", "schedule=dense", "temperature=0.7", "top_p=1.0",
+                "num_steps=1")
+  tr.fit()
+  rec = read_jsonl(str(tmp_path / "metrics.jsonl"))[1]
+  assert abs(rec["tis/ratio_min"] - 1) < 1e-4 and abs(rec["tis/ratio_max"] - 1) < 1e-4, rec
+  assert 0 <= rec["tis/kl_rollout_vs_policy"] < 1e-8 and rec["tis/frac_above_cap"] == 0.0
+
+
+def test_tis_stats_against_float64():
+  from sparrow_jax.run.stages import rollout_is_stats
+  rng = np.random.default_rng(0)
+  old, roll = rng.normal(-2, 1, (3, 7)), rng.normal(-2, 1, (3, 7))
+  mask = rng.random((3, 7)) < 0.6
+  rho = np.exp(old - roll)[mask]
+  out = rollout_is_stats(old.astype(np.float32), roll.astype(np.float32), mask, cap=1.5)
+  np.testing.assert_allclose([out["tis/ratio_mean"], out["tis/ratio_max"], out["tis/ratio_p5"],
+                              out["tis/frac_above_cap"], out["tis/kl_rollout_vs_policy"]],
+                             [rho.mean(), rho.max(), np.percentile(rho, 5), np.mean(rho > 1.5),
+                              np.mean(rho - 1 - (old - roll)[mask])], rtol=1e-5)
+  assert rollout_is_stats(old, roll, np.zeros_like(mask)) == {}
+
+
 def test_top_p_and_top_k_only_shape_sampling(tmp_path):
   """top_p < 1 / top_k > 0: the engine's log-probs are renormalised over the kept set (the
   top-k, then the nucleus of the renormalised top-k), the training side keeps the full

@@ -41,8 +41,13 @@ def test_policy_after_one_step_is_bitwise_identical_with_and_without_distill(tmp
   assert "distill/loss" in rec and np.isfinite(rec["distill/loss"])
   assert rec["distill/grad_norm"] > 1e-5 and abs(rec["distill/logp_gap"]) > 1e-6, rec  # real
   assert rec["distill/max_abs_gap"] > 1e-4 and rec["distill/no_gap"] == 0.0, rec
-  _assert_exact_alpha_bounded_below_by_the_monitor(
-      read_jsonl(str(tmp_path / "off" / "metrics.jsonl"))[1])
+  off_rec = read_jsonl(str(tmp_path / "off" / "metrics.jsonl"))[1]
+  _assert_exact_alpha_bounded_below_by_the_monitor(off_rec)
+  # TIS statistics are logged with TIS off too: the sparse actor's tokens are off the dense
+  # policy, so the ratios spread around 1 and KL(q || pi) is positive.
+  assert off_rec["tis/ratio_min"] < 1 - 1e-3 < 1 + 1e-3 < off_rec["tis/ratio_max"], off_rec
+  assert off_rec["tis/kl_rollout_vs_policy"] > 1e-6, off_rec["tis/kl_rollout_vs_policy"]
+  assert 0.0 <= off_rec["tis/frac_above_cap"] <= 1.0
 
 
 def _assert_exact_alpha_bounded_below_by_the_monitor(rec):
