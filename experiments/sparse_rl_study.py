@@ -208,6 +208,11 @@ def _done_steps(run_dir: str) -> int:
   return max((s for s in read_jsonl(path) if s > 0), default=0)
 
 
+def _mean(values) -> float | None:
+  vals = [v for v in values if v is not None and math.isfinite(v)]
+  return statistics.fmean(vals) if vals else None
+
+
 def summarize(recs: dict[int, dict], tau: float) -> dict:
   """Per-step series and the study's scalars from a run's metrics records."""
   steps = sorted(s for s in recs if s > 0)
@@ -225,6 +230,10 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
       "p5_bound": get("mismatch/p5_overall"),
       "p5_exact_bins": {b: get(f"mismatch/exact_p5_bin_{b}") for b in bins},
       "is_frac_truncated": get("loss/is_frac_truncated"),
+      # importance ratios pi_dense / q_actor of the sampled tokens, logged with TIS off too
+      "tis_ratio_mean": get("tis/ratio_mean"), "tis_ratio_p5": get("tis/ratio_p5"),
+      "tis_ratio_p95": get("tis/ratio_p95"), "tis_frac_above_cap": get("tis/frac_above_cap"),
+      "tis_kl": get("tis/kl_rollout_vs_policy"),
       "time": {k: get(f"time/{k}_s") for k in ("rollout", "recompute", "update", "distill",
                                                  "exact_alpha", "step")},
       "rollout_s_per_step": statistics.median(roll) if roll else None,
@@ -236,6 +245,8 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
       "p5_bound_exact_rows_mean": statistics.fmean(same) if same else None,
       "exact_bound_gap_mean": statistics.fmean(gap) if gap else None,
       "steps_exact_below_tau": sum(v < tau for v in exact),
+      "tis_frac_above_cap_mean": _mean(get("tis/frac_above_cap")),
+      "tis_kl_mean": _mean(get("tis/kl_rollout_vs_policy")),
   }
   return out
 
@@ -320,16 +331,19 @@ def report(args) -> int:
   k = args.k
   lines = [f"| arm | seed | steps | schedule | held-out avg@{k} before | after | pass@{k} after | "
            "rollout s/step | exact p5 mean | exact p5 min | monitor bound min | "
-           "bound on the exact rows, mean |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bound on the exact rows, mean | rho > 2, mean | KL(q, pi), mean |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"
   for r in sorted(rows, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 9,
                                        r["seed"])):
-    lines.append(f"| {r['arm']} | {r['seed']} | {r['steps_run']} | {r['schedule']} | "
+    sched = (os.path.basename(r["schedule"]) if r["schedule"].endswith(".json")
+             else r["schedule"])
+    lines.append(f"| {r['arm']} | {r['seed']} | {r['steps_run']} | {sched} | "
                  f"{fmt(r[f'heldout_avg{k}_before'])} | {fmt(r[f'heldout_avg{k}_after'])} | "
                  f"{fmt(r[f'heldout_pass{k}_after'])} | {fmt(r['rollout_s_per_step'], 1)} | "
                  f"{fmt(r['p5_exact_mean'])} | {fmt(r['p5_exact_min'])} | "
-                 f"{fmt(r['p5_bound_min'])} | {fmt(r.get('p5_bound_exact_rows_mean'))} |")
+                 f"{fmt(r['p5_bound_min'])} | {fmt(r.get('p5_bound_exact_rows_mean'))} | "
+                 f"{fmt(r.get('tis_frac_above_cap_mean'), 4)} | {fmt(r.get('tis_kl_mean'), 4)} |")
   table = "\n".join(lines) + "\n"
   fig = _figures(rows, args.out)
   print(table)
@@ -366,6 +380,22 @@ def _figures(rows, out_dir: str) -> str | None:
   path = os.path.join(out_dir, "curves.png")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  plt.close(fig)
+  # exact p5 per position bin over steps, one panel per arm that has it
+  sparse = [r for r in rows if r.get("p5_exact_bins")]
+  if sparse:
+    fig, axes = plt.subplots(1, len(sparse), figsize=(5 * len(sparse), 4), squeeze=False)
+    for ax, r in zip(axes[0], sparse):
+      for b, series in sorted(r["p5_exact_bins"].items(), key=lambda kv: int(kv[0])):
+        ax.plot(r["steps"], [math.nan if v is None else v for v in series], label=f"bin {b}")
+      ax.axhline(r.get("tau", 0.86), color="k", ls="--", lw=0.8)
+      ax.set_title(f"{r['arm']} s{r['seed']}: exact p5 per bin")
+      ax.set_xlabel("step")
+      ax.set_ylim(0, 1.02)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "p5_bins.png"), dpi=110)
+    plt.close(fig)
   return path
 
 
@@ -382,7 +412,8 @@ def main(argv=None) -> int:
   ap.add_argument("--calibrate", action="store_true",
                   help="calibrate the tau arm's schedule on this model and stop")
   ap.add_argument("--calib-prompts", type=int, default=24, help="prompts to calibrate on")
-  ap.add_argument("--calib-budgets", default="1,2,4,8", help="budgets the calibration scores")
+  ap.add_argument("--calib-budgets", default="2,4,8,16,32",
+                  help="budgets the calibration scores (pages of the preset's page size)")
   ap.add_argument("--k", type=int, default=4, help="held-out samples per problem")
   ap.add_argument("--heldout", type=int, default=200, help="held-out problems")
   ap.add_argument("--train-problems", type=int, default=100,

@@ -86,11 +86,16 @@ def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   assert res["exact_bound_gap_mean"] >= 0.0
   assert res["rollout_s_per_step"] > 0 and 0 < res["heldout_alpha_p5_after"] <= 1.0
   assert len(res["reward"]) == len(res["clip_ratio"]) == 1 and res["p5_exact_bins"]
+  # TIS statistics per step with TIS off: sparse rollouts, so the ratios are off 1
+  assert len(res["tis_ratio_mean"]) == 1 and res["tis_kl_mean"] > 0
+  assert res["tis_ratio_p5"][0] < 1 < res["tis_ratio_p95"][0]
+  assert 0.0 <= res["tis_frac_above_cap_mean"] <= 1.0
   capsys.readouterr()
   md = tmp_path / "study.md"
   assert study.main(["--report", "--out", str(out), "--k", "2", "--report-md", str(md)]) == 0
   table = md.read_text()
   assert "| aggressive_distill | 0 | 1 | constant:1 |" in table, table
+  assert "KL(q, pi), mean |" in table and (out / "p5_bins.png").exists()
   # Bad arguments fail before any work.
   assert study.main(common + ["--arms", "tau"]) == 2
   assert "--calibrate" in capsys.readouterr().err
