@@ -324,7 +324,9 @@ def report(args) -> int:
   rows = []
   for f in files:
     with open(os.path.join(args.out, f)) as fh:
-      rows.append(json.load(fh))
+      rec = json.load(fh)
+    if isinstance(rec, dict) and "arm" in rec:  # other JSONs (e.g. a schedule) live there too
+      rows.append(rec)
   if not rows:
     print(f"error: no arm results under {args.out}; run some arms first", file=sys.stderr)
     return 2
@@ -365,13 +367,13 @@ def _figures(rows, out_dir: str) -> str | None:
   except ImportError:
     return None
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-  for r in rows:
-    label = f"{r['arm']} s{r['seed']}"
-    axes[0].plot(r["steps"], r["reward"], label=label)
-    axes[1].plot(r["steps"], r["len_mean"], label=label)
+  for i, r in enumerate(rows):  # one colour per run in every panel
+    label, c = f"{r['arm']} s{r['seed']}", f"C{i % 10}"
+    axes[0].plot(r["steps"], r["reward"], label=label, color=c)
+    axes[1].plot(r["steps"], r["len_mean"], label=label, color=c)
     if any(v is not None for v in r["p5_exact"]):
       axes[2].plot(r["steps"], [math.nan if v is None else v for v in r["p5_exact"]],
-                   label=label)
+                   label=label, color=c)
   for ax, title in zip(axes, ("reward", "response length", "exact p5 (min over bins)")):
     ax.set_title(title)
     ax.set_xlabel("step")
@@ -387,7 +389,8 @@ def _figures(rows, out_dir: str) -> str | None:
     fig, axes = plt.subplots(1, len(sparse), figsize=(5 * len(sparse), 4), squeeze=False)
     for ax, r in zip(axes[0], sparse):
       for b, series in sorted(r["p5_exact_bins"].items(), key=lambda kv: int(kv[0])):
-        ax.plot(r["steps"], [math.nan if v is None else v for v in series], label=f"bin {b}")
+        ax.plot(r["steps"], [math.nan if v is None else v for v in series], ".-", ms=3,
+                label=f"bin {b}")  # markers: a bin seen in one step only is a point
       ax.axhline(r.get("tau", 0.86), color="k", ls="--", lw=0.8)
       ax.set_title(f"{r['arm']} s{r['seed']}: exact p5 per bin")
       ax.set_xlabel("step")

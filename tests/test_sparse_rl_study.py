@@ -92,6 +92,7 @@ def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   assert 0.0 <= res["tis_frac_above_cap_mean"] <= 1.0
   capsys.readouterr()
   md = tmp_path / "study.md"
+  (out / "tau_schedule.json").write_text('{"format": "a schedule, not an arm"}')  # skipped
   assert study.main(["--report", "--out", str(out), "--k", "2", "--report-md", str(md)]) == 0
   table = md.read_text()
   assert "| aggressive_distill | 0 | 1 | constant:1 |" in table, table
