@@ -221,8 +221,6 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
                  if k.startswith("mismatch/exact_p5_bin_")})
   exact = [v for v in get("mismatch/exact_p5") if v is not None and math.isfinite(v)]
   bound = [v for v in get("mismatch/p5_overall") if v is not None and math.isfinite(v)]
-  same = [v for v in get("mismatch/bound_p5_exact_rows") if v is not None and math.isfinite(v)]
-  gap = [v for v in get("mismatch/exact_bound_gap") if v is not None and math.isfinite(v)]
   roll = [v for v in get("time/rollout_s") if v is not None]
   out = {
       "steps": steps, "reward": get("reward/mean"), "len_mean": get("response/len_mean"),
@@ -238,12 +236,12 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
                                                  "exact_alpha", "step")},
       "rollout_s_per_step": statistics.median(roll) if roll else None,
       "p5_exact_min": min(exact) if exact else None,
-      "p5_exact_mean": statistics.fmean(exact) if exact else None,
+      "p5_exact_mean": _mean(exact),
       "p5_bound_min": min(bound) if bound else None,
       # the monitor's bound on the exact rows' tokens: p5 (min over bins) and mean gap
       "p5_bound_exact_rows": get("mismatch/bound_p5_exact_rows"),
-      "p5_bound_exact_rows_mean": statistics.fmean(same) if same else None,
-      "exact_bound_gap_mean": statistics.fmean(gap) if gap else None,
+      "p5_bound_exact_rows_mean": _mean(get("mismatch/bound_p5_exact_rows")),
+      "exact_bound_gap_mean": _mean(get("mismatch/exact_bound_gap")),
       "steps_exact_below_tau": sum(v < tau for v in exact),
       "tis_frac_above_cap_mean": _mean(get("tis/frac_above_cap")),
       "tis_kl_mean": _mean(get("tis/kl_rollout_vs_policy")),
