@@ -29,7 +29,9 @@ class EngineConfig:
   kv_cache_memory_fraction: float | None = None  # of the device's free memory (GPU)
   decode_chunk: int = 16  # decode steps per jitted call
   cache_dtype: str | None = None  # default: the model's compute dtype
-  logprobs_topk: int = 0  # keep the top-k log-probs of every generated token (monitor)
+  # keep the top-k log-probs of every generated token (monitor), under softmax(logits / T) at
+  # the request's temperature T (T = 1 when greedy), before its top-k / top-p filter
+  logprobs_topk: int = 0
   min_page_bucket: int = 8  # smallest compiled page-table width (pages)
   page_buckets_per_octave: int = 4  # compiled widths per doubling (1: powers of two)
   # Admission keeps this fraction of a shard's pool free for the running sequences to grow
@@ -132,7 +134,7 @@ class Completion:
   logprobs: np.ndarray  # [n] float32, under the sampling distribution
   finish_reason: str
   topk_ids: np.ndarray | None = None  # [n, k] int32
-  topk_logprobs: np.ndarray | None = None  # [n, k] float32
+  topk_logprobs: np.ndarray | None = None  # [n, k] float32, at the sampling temperature
   preemptions: int = 0  # times the sequence was preempted and recomputed
   pruned: bool = False  # removed by the prune hook (tokens are those generated until then)
   quality_logit: float | None = None  # head logit at the detection point (prune hook)

@@ -21,6 +21,8 @@ only a row with top_p < 1 and no top_k makes the step sort the whole vocabulary.
 Log-probs returned with each sampled token are under the *sampling* distribution (after
 temperature, top-k and top-p); for greedy rows (temperature 0) they are under the model's
 unmodified distribution (temperature 1), which is what a greedy evaluation wants to report.
+The top-k log-probs kept for the monitor (`topk_logprobs`) are under the row's temperature as
+well (T = 1 for greedy rows), before the top-k / top-p filter.
 
 Request seeds of a training run come from `request_seed`, a fold-in hierarchy
 (run seed -> step -> round -> prompt -> sample), so no two requests of a run share a seed.
@@ -214,8 +216,15 @@ def sample_tokens(logits, seeds, positions, temperature, top_p, top_k, *, max_to
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
 
 
-def topk_logprobs(logits, k: int):
-  """Top-k (ids, log-probs) of the unmodified distribution, `[B, k]` each (monitor input)."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+def topk_logprobs(logits, k: int, temperature=None):
+  """Top-k (ids, log-probs), `[B, k]` each, of softmax(logits / T) per row: the temperature T
+  the row samples at (`temperature` float32 `[B]`; greedy rows, T <= 0, and `None` use T = 1),
+  before any top-k / top-p filter. The ids are those of the raw logits (a temperature keeps
+  the order); the log-probs are of the distribution the token was drawn from, which the
+  trainer's dense side (softmax(logits / T)) is compared with (monitor input, DeepConf)."""
+  logits = logits.astype(jnp.float32)
+  if temperature is not None:
+    logits = logits / jnp.where(temperature <= 0, 1.0, temperature)[:, None]
+  logp = jax.nn.log_softmax(logits, axis=-1)
   vals, ids = jax.lax.top_k(logp, k)
   return ids.astype(jnp.int32), vals

@@ -44,7 +44,7 @@ class DeviceSteps:
                                           return_hidden=True)
     tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks,
                             max_top_k=max_top_k)
-    tk = self._topk(logits)
+    tk = self._topk(logits, temps)
     rec = ()
     if det is not None:
       hidden = hidden.astype(jnp.float32)
@@ -54,10 +54,10 @@ class DeviceSteps:
                              hidden, quality_logits(det[0], hidden), det)
     return cache, tok, lp, tk, rec
 
-  def _topk(self, logits):
+  def _topk(self, logits, temps):
     k = self.config.logprobs_topk
     if k:
-      return topk_logprobs(logits, k)
+      return topk_logprobs(logits, k, temps)
     b = logits.shape[0]
     return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
 
@@ -101,7 +101,7 @@ class DeviceSteps:
                                det)
       new_tok, lp = sample_tokens(logits, seeds, cache.lengths, temps, top_ps, top_ks,
                                   max_top_k=max_top_k)
-      tk_ids, tk_lp = self._topk(logits)
+      tk_ids, tk_lp = self._topk(logits, temps)
       row = lambda buf, x: jax.lax.dynamic_update_index_in_dim(buf, x, step, 0)
       outs = tuple(row(o, x) for o, x in zip(outs, (new_tok, lp, tk_ids, tk_lp)))
       # Device-side finish: a stop id or the last allowed token ends the sequence now.

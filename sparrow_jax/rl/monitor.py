@@ -18,9 +18,11 @@ Optionally the exact alpha_t on a small sample (`exact_alpha`, both logits neede
 loose the bound is.
 
 Both distributions must be the sampling distributions (the same temperature T on both sides).
-The trainer takes the dense top-k from the recompute of softmax(logits / T); the engine keeps
-the top-k of the *untempered* distribution, so `tempered_topk_logprobs` turns those into lower
-bounds of the tempered log-probs (exact at T = 1), which keeps the alpha bound a lower bound.
+The trainer takes the dense top-k from the recompute of softmax(logits / T), and the engine
+keeps the sparse actor's top-k of softmax(logits / T) at the request's temperature
+(`EngineConfig.logprobs_topk`), so at any T the bound is as tight as the two top-k sets allow.
+(Until 2026-12-02 the engine kept untempered top-k and the monitor bounded the tempered values
+from below, which cost up to ~0.2 of p5 at T = 0.7.)
 Metrics come back as one flat dict of floats for the JSONL / TensorBoard logger:
   mismatch/p5_overall, mismatch/mean, mismatch/frac_accepted, mismatch/tokens,
   mismatch/p5_bin_{i}, mismatch/mean_bin_{i}, mismatch/count_bin_{i}  (non-empty bins only),
@@ -102,45 +104,6 @@ def lower_bound_alpha(sparse_ids, sparse_logp, dense_ids, dense_logp) -> np.ndar
     b = _bound_jit(pad(p_ids, -1), pad(p_lp, -np.inf), pad(q_ids, -2), pad(q_lp, -np.inf))
     out[s:e] = np.asarray(b)[:e - s]
   return out.reshape(lead)
-
-
-def tempered_topk_logprobs(topk_logp, temperature: float, vocab_size: int) -> np.ndarray:
-  """Lower bounds of log q_T(v) = log softmax(logits / T)(v) for the top-k tokens of q, from
-  q's untempered top-k log-probs alone -> float32 [..., k] (host).
-
-  With beta = 1/T, q_T(v) = q(v)^beta / Z, Z = S + O, S = sum_topk q^beta and O the sum of
-  q(u)^beta over the n = V - k tokens outside the top-k, whose mass is r = 1 - sum_topk q and
-  each of which is <= q_min (the smallest top-k probability). O is bounded above by
-  r * q_min^(beta - 1) when T <= 1 (q^beta = q * q^(beta-1)) and by n^(1-beta) r^beta when
-  T > 1 (concave: the uniform split of r is the worst case), so beta log q - log(S + O_max) is a
-  lower bound of log q_T, equal to log q at T = 1. Entries below -1e8 (padding) stay padding.
-  """
-  if not temperature > 0:
-    raise ValueError(f"tempered_topk_logprobs: temperature={temperature!r}; expected > 0")
-  lp = np.asarray(topk_logp, np.float64)  # [..., k]
-  if temperature == 1.0:
-    return lp.astype(np.float32)
-  k = lp.shape[-1]
-  if not vocab_size >= k:
-    raise ValueError(f"tempered_topk_logprobs: vocab_size={vocab_size!r}; expected >= k={k}")
-  beta = 1.0 / temperature
-  pad = lp < -1e8
-  x = np.where(pad, -np.inf, lp)
-  with np.errstate(divide="ignore", invalid="ignore"):
-    log_s = np.logaddexp.reduce(beta * x, axis=-1)  # [...]
-    rest = np.clip(1.0 - np.exp(x).sum(-1), 0.0, 1.0)  # [...] mass outside the top-k
-    log_r = np.log(rest)
-    n = vocab_size - k
-    if n == 0:
-      log_o = np.full_like(log_s, -np.inf)
-    elif beta >= 1.0:
-      log_min = np.min(np.where(pad, np.inf, x), axis=-1)  # [...]
-      log_o = log_r + (beta - 1.0) * log_min
-    else:
-      log_o = (1.0 - beta) * np.log(n) + beta * log_r
-    log_z = np.logaddexp(log_s, np.nan_to_num(log_o, nan=-np.inf))  # [...]
-    out = beta * x - log_z[..., None]
-  return np.where(pad | ~np.isfinite(out), lp, out).astype(np.float32)
 
 
 def exact_alpha(dense_logits, sparse_logits, mask=None) -> np.ndarray:

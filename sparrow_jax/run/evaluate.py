@@ -53,7 +53,7 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   """k samples per prompt -> avg@k, pass@k, maj@k; weighted votes side by side: by the ARRoL
   quality head's rank weights (when the run trained one) and by DeepConf trace confidence
   (mean of the lowest `deepconf_lowest` windowed confidences, `deepconf_window` tokens,
-  from the top-k log-probs the engine keeps)."""
+  from the top-k log-probs the engine keeps, at the sampling `temperature`)."""
   if mode not in MODES:
     raise ValueError(f"mode={mode!r}: expected one of {MODES}")
   if mode != "dense" and trainer.schedule.is_dense:

@@ -39,7 +39,7 @@ import numpy as np
 
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import grpo
-from sparrow_jax.rl.monitor import lower_bound_alpha, tempered_topk_logprobs
+from sparrow_jax.rl.monitor import lower_bound_alpha
 from sparrow_jax.rl.switching import alpha_tails_per_bin
 from sparrow_jax.run import microbatch as mb_lib
 from sparrow_jax.run.builders import _frac_zero_var
@@ -150,17 +150,15 @@ def update(tr, sb: StepBatch) -> None:
 
 def monitor(tr, sb: StepBatch) -> None:
   """Top-k lower bound of alpha between the sparse actor (top-k kept during rollout) and the
-  dense policy (recompute, or the update's own forward), both at the rollout temperature. The
-  engine keeps the untempered top-k: `tempered_topk_logprobs` bounds the tempered values from
-  below, so the result stays a lower bound (exact at T = 1)."""
+  dense policy (recompute, or the update's own forward), both at the rollout temperature (the
+  engine keeps its top-k under softmax(logits / T) of each request)."""
   a = sb.arrays
   if "old_logp" in a:
     sb.out.update(rollout_is_stats(a["old_logp"], a["rollout_logp"], a["mask"],
                                    cap=tr.loss_cfg.tis_cap))
   if "dense_topk_ids" not in a:
     return
-  sparse_lp = tempered_topk_logprobs(a["rollout_topk_logp"], tr.temperature,
-                                     tr.model_cfg.vocab_size)
+  sparse_lp = a["rollout_topk_logp"]
   sb.out.update(tr.monitor.update(a["rollout_topk_ids"], sparse_lp, a["dense_topk_ids"],
                                   a["dense_topk_logp"], a["mask"], step=sb.step))
   if sb.exact_token_alpha is not None:

@@ -133,6 +133,25 @@ def test_greedy_and_topk_logprobs():
   assert float(jnp.exp(vals).sum()) <= 1.0
 
 
+def test_topk_logprobs_are_at_each_rows_temperature():
+  """The monitor compares the engine's top-k with the dense side's softmax(logits / T): row b
+  at temperature T_b (greedy rows at 1), same ids as the raw logits, float64 reference."""
+  rng = np.random.default_rng(3)
+  logits = rng.normal(0, 3, (4, 50)).astype(np.float32)
+  temps = np.array([0.7, 1.0, 0.0, 1.6], np.float32)
+  ids, vals = topk_logprobs(jnp.asarray(logits), 5, jnp.asarray(temps))
+  t = np.where(temps <= 0, 1.0, temps).astype(np.float64)[:, None]
+  x = logits.astype(np.float64) / t
+  ref = x - np.logaddexp.reduce(x, axis=-1, keepdims=True)
+  want_ids = np.argsort(-logits, axis=-1)[:, :5]
+  np.testing.assert_array_equal(np.asarray(ids), want_ids)
+  np.testing.assert_allclose(np.asarray(vals), np.take_along_axis(ref, want_ids, -1),
+                             rtol=1e-5, atol=1e-5)
+  raw_ids, raw = topk_logprobs(jnp.asarray(logits), 5)
+  np.testing.assert_allclose(np.asarray(vals)[1:3], np.asarray(raw)[1:3], atol=1e-6)
+  assert not np.allclose(np.asarray(vals)[0], np.asarray(raw)[0], atol=1e-3)
+
+
 def test_request_seeds_are_distinct_over_1000_steps_of_the_largest_preset():
   from sparrow_jax.run.config import PRESETS
   big = max(PRESETS.values(), key=lambda c: c.batch_size)

@@ -207,6 +207,15 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   # The monitor's dense top-k is tempered: the sampled token's entry matches old_logp.
   top = np.asarray(dense_lp)[m]  # [n, k]
   assert np.all(top.max(-1) >= np.asarray(old)[m] - 2e-5)
+  # ... and so is the rollout's (engine) top-k: a dense rollout's equals the recompute's, so
+  # on dense rollouts at T = 0.7 the monitor's bound of alpha is the whole top-k mass, the
+  # most two top-k sets can certify (an untempered engine top-k falls short of it).
+  np.testing.assert_array_equal(batch["rollout_topk_ids"][m], np.asarray(rec["dense_topk_ids"])[m])
+  np.testing.assert_allclose(batch["rollout_topk_logp"][m], top, atol=5e-5)
+  from sparrow_jax.rl.monitor import lower_bound_alpha
+  bound = lower_bound_alpha(batch["rollout_topk_ids"], batch["rollout_topk_logp"],
+                            np.asarray(rec["dense_topk_ids"]), np.asarray(dense_lp))
+  np.testing.assert_allclose(bound[m], np.exp(top.astype(np.float64)).sum(-1), atol=1e-4)
   # The update's log-probs are tempered as well: on-policy ratios are exactly ~1.
   full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old),
               advantages=np.ones(4 * G, np.float32), mask=batch["mask"], ref_logp=np.asarray(ref))
