@@ -158,11 +158,11 @@ def monitor(tr, sb: StepBatch) -> None:
                                    cap=tr.loss_cfg.tis_cap))
   if "dense_topk_ids" not in a:
     return
-  sparse_lp = a["rollout_topk_logp"]
-  sb.out.update(tr.monitor.update(a["rollout_topk_ids"], sparse_lp, a["dense_topk_ids"],
-                                  a["dense_topk_logp"], a["mask"], step=sb.step))
+  sb.out.update(tr.monitor.update(a["rollout_topk_ids"], a["rollout_topk_logp"],
+                                  a["dense_topk_ids"], a["dense_topk_logp"], a["mask"],
+                                  step=sb.step))
   if sb.exact_token_alpha is not None:
-    sb.out.update(bound_vs_exact(a, sparse_lp, sb.exact_token_alpha, tr.cfg.mismatch_bin_size))
+    sb.out.update(bound_vs_exact(a, sb.exact_token_alpha, tr.cfg.mismatch_bin_size))
 
 
 def rollout_is_stats(old_logp, rollout_logp, mask, cap: float | None = None
@@ -186,13 +186,13 @@ def rollout_is_stats(old_logp, rollout_logp, mask, cap: float | None = None
           "tis/kl_rollout_vs_policy": float(np.mean(rho - 1 - log_rho))}
 
 
-def bound_vs_exact(a, sparse_lp, exact, bin_size: int) -> dict[str, float]:
+def bound_vs_exact(a, exact, bin_size: int) -> dict[str, float]:
   """The monitor's top-k bound on exactly the rows (and tokens) exact alpha was computed on:
   its tail per bin as `mismatch/exact_p5` takes it (`mismatch/bound_p5_exact_rows`, min over
   bins), the mean gap exact - bound and the fraction of tokens where the bound exceeds the
   exact value by more than float32 noise (a lower bound never should: a live check of both)."""
   rows = exact.shape[0]
-  bound = lower_bound_alpha(a["rollout_topk_ids"][:rows], sparse_lp[:rows],
+  bound = lower_bound_alpha(a["rollout_topk_ids"][:rows], a["rollout_topk_logp"][:rows],
                             a["dense_topk_ids"][:rows], a["dense_topk_logp"][:rows])
   m = np.array(a["mask"][:rows]) > 0
   m[:, 0] = False

@@ -12,6 +12,7 @@ import pytest
 
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
+from sparrow_jax.rl.monitor import lower_bound_alpha
 from sparrow_jax.run.config import get_train_config
 from sparrow_jax.run.metrics import read_jsonl
 from sparrow_jax.run.trainer import Trainer
@@ -212,7 +213,6 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   # most two top-k sets can certify (an untempered engine top-k falls short of it).
   np.testing.assert_array_equal(batch["rollout_topk_ids"][m], np.asarray(rec["dense_topk_ids"])[m])
   np.testing.assert_allclose(batch["rollout_topk_logp"][m], top, atol=5e-5)
-  from sparrow_jax.rl.monitor import lower_bound_alpha
   bound = lower_bound_alpha(batch["rollout_topk_ids"], batch["rollout_topk_logp"],
                             np.asarray(rec["dense_topk_ids"]), np.asarray(dense_lp))
   np.testing.assert_allclose(bound[m], np.exp(top.astype(np.float64)).sum(-1), atol=1e-4)
