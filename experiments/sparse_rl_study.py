@@ -245,6 +245,11 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
       "steps_exact_below_tau": sum(v < tau for v in exact),
       "tis_frac_above_cap_mean": _mean(get("tis/frac_above_cap")),
       "tis_kl_mean": _mean(get("tis/kl_rollout_vs_policy")),
+      # the teacher-forced sparse actor replaying the engine's sampled-token log-probs
+      "replay_logp_maxdiff": get("mismatch/replay_logp_maxdiff"),
+      "replay_frac_off": get("mismatch/replay_frac_off"),
+      "replay_rows_off": get("mismatch/replay_rows_off"),
+      "bound_above_exact_frac": get("mismatch/bound_above_exact_frac"),
   }
   return out
 

@@ -135,9 +135,11 @@ def attention_for(schedule: SparsitySchedule, max_position: int,
   return attention_spec(schedule, max_position=max_position, **overrides)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "attention", "chunk"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "attention", "chunk", "with_logp"))
 def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths, temperature,
-                 *, attention, chunk):
+                 *, attention, chunk, with_logp=False):
+  """alpha [B, T] (and with `with_logp` the sparse actor's log-prob of every token at the
+  temperature, [B, T]), both aligned with tokens: entry t is of token t, entry 0 is 0."""
   model = nnx.merge(graphdef, state)
   dense = model.hidden_states(tokens, lengths=lengths)  # [B, T, D]
   sparse = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
@@ -150,15 +152,27 @@ def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths
   split = lambda h: jnp.pad(h, ((0, 0), (0, nc * chunk - t), (0, 0))).reshape(
       b, nc, chunk, d).swapaxes(0, 1)  # [nc, B, chunk, D]
 
-  def one(args):
-    hd, hs = args
-    return mismatch.acceptance_rate(model.logits(hd) / temperature,
-                                    model.logits(hs) / temperature)  # [B, chunk]
+  # The token each position predicts (the next one; the last position's is a dummy 0).
+  nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+  nxt = jnp.pad(nxt, ((0, 0), (0, nc * chunk - t))).reshape(b, nc, chunk).swapaxes(0, 1)
 
-  alpha = jax.lax.map(one, (split(dense), split(sparse)))  # [nc, B, chunk]
-  alpha = alpha.swapaxes(0, 1).reshape(b, nc * chunk)[:, :t]  # [B, T]
+  def one(args):
+    hd, hs, y = args
+    ls = model.logits(hs) / temperature  # [B, chunk, V]
+    alpha = mismatch.acceptance_rate(model.logits(hd) / temperature, ls)  # [B, chunk]
+    if not with_logp:
+      return alpha
+    lse = jax.nn.logsumexp(ls.astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(ls, y[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    return alpha, picked - lse
+
+  unsplit = lambda x: jnp.pad(x.swapaxes(0, 1).reshape(b, nc * chunk)[:, :t - 1],
+                              ((0, 0), (1, 0)))  # [B, T]
   # Token t is predicted by the logits at t - 1: alpha of token t is at index t.
-  return jnp.pad(alpha[:, :-1], ((0, 0), (1, 0)))  # [B, T]
+  out = jax.lax.map(one, (split(dense), split(sparse), nxt))  # [nc, B, chunk] (each)
+  if not with_logp:
+    return unsplit(out)
+  return unsplit(out[0]), unsplit(out[1])
 
 
 def probe_alpha(graphdef, state, lora, tokens, schedule: SparsitySchedule, *,

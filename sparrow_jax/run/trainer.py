@@ -687,9 +687,11 @@ class Trainer:
     out["time/distill_s"] = time.perf_counter() - t0
     return out
 
-  def token_alpha(self, arrays, schedule: SparsitySchedule, lora, plan=None) -> np.ndarray:
+  def token_alpha(self, arrays, schedule: SparsitySchedule, lora, plan=None, *,
+                  with_logp: bool = False):
     """Exact alpha_t [B, T] between the dense policy and sparse(+`lora`) under `schedule`,
-    teacher-forced on a batch's tokens (micro-batched)."""
+    teacher-forced on a batch's tokens (micro-batched). With `with_logp`, (alpha, logp):
+    logp [B, T] the sparse actor's log-prob of each token at the rollout temperature."""
     plan = plan if plan is not None else self.logprob_plan(arrays["lengths"])
     t = int(np.shape(arrays["tokens"])[1])
     attention = attention_for(schedule, t, landmark_dtype=self.cfg.landmark_dtype)
@@ -700,13 +702,17 @@ class Trainer:
       return inputs
 
     def fn(mb):
-      return {"alpha": probe_alpha_program(self.graphdef, self.params, lora, mb["tokens"],
-                                           mb["budgets"], mb["prompt_lens"], mb["lengths"],
-                                           jnp.float32(self.temperature), attention=attention,
-                                           chunk=self.cfg.logprob_chunk)}
+      out = probe_alpha_program(self.graphdef, self.params, lora, mb["tokens"], mb["budgets"],
+                                mb["prompt_lens"], mb["lengths"], jnp.float32(self.temperature),
+                                attention=attention, chunk=self.cfg.logprob_chunk,
+                                with_logp=with_logp)
+      return {"alpha": out[0], "logp": out[1]} if with_logp else {"alpha": out}
 
-    return np.asarray(self.run_micro(fn, arrays, plan, keys=("tokens", "prompt_lens", "lengths"),
-                                     prepare=prepare)["alpha"])
+    res = self.run_micro(fn, arrays, plan, keys=("tokens", "prompt_lens", "lengths"),
+                         prepare=prepare)
+    if with_logp:
+      return np.asarray(res["alpha"]), np.asarray(res["logp"])
+    return np.asarray(res["alpha"])
 
   def tail_alpha(self, arrays, schedule: SparsitySchedule, lora, mask, plan=None,
                  **kw) -> float:
@@ -719,6 +725,14 @@ class Trainer:
     (the current schedule, with its LoRA) against the dense policy that generated the
     rollouts, teacher-forced on the first `exact_alpha_rows` rollouts of the step (all with
     0), over their response tokens: what the monitor's top-k statistic bounds from below.
+
+    The same forward replays the sparse actor on the tokens it sampled: where sampling was
+    unfiltered (top_p = 1, top_k = 0) its log-prob of each sampled token must equal the one the
+    engine recorded (`rollout_logp`) up to float rounding, or exact alpha would not be of the
+    actor that generated the batch. `mismatch/replay_logp_maxdiff` is the largest difference,
+    `mismatch/replay_frac_off` the fraction of tokens off by more than 1e-3 and
+    `mismatch/replay_rows_off` the rows holding any (a page selection flipped by rounding on
+    near-tied landmark scores changes that token and, through its K/V, later ones).
     Returns (metrics, per-token alpha [rows, T]); ({}, None) for a dense schedule."""
     cfg = self.cfg
     if self.schedule.is_dense:
@@ -726,9 +740,20 @@ class Trainer:
     n = int(np.shape(arrays["tokens"])[0])
     rows = n if not cfg.exact_alpha_rows else min(cfg.exact_alpha_rows, n)
     sub = {k: np.asarray(arrays[k])[:rows] for k in ("tokens", "prompt_lens", "lengths", "mask")}
-    alpha = self.token_alpha(sub, self.schedule, self.lora if cfg.distill else None)
+    replay = "rollout_logp" in arrays and cfg.top_p >= 1.0 and cfg.top_k == 0
+    res = self.token_alpha(sub, self.schedule, self.lora if cfg.distill else None,
+                           with_logp=replay)
+    alpha, logp = res if replay else (res, None)
     tails = alpha_tails_per_bin(alpha, sub["mask"], bin_size=cfg.mismatch_bin_size)
     out: dict[str, float] = {"mismatch/exact_rows": float(rows)}
+    m = sub["mask"] > 0
+    if logp is not None and m.any():
+      diff = np.abs(logp.astype(np.float64)
+                    - np.asarray(arrays["rollout_logp"])[:rows].astype(np.float64))
+      off = (diff > 1e-3) & m
+      out.update({"mismatch/replay_logp_maxdiff": float(diff[m].max()),
+                  "mismatch/replay_frac_off": float(off.sum() / m.sum()),
+                  "mismatch/replay_rows_off": float(off.any(axis=1).sum())})
     if tails:
       out["mismatch/exact_p5"] = min(v for v, _ in tails.values())
       out["mismatch/exact_bins_below_tau"] = float(sum(v < cfg.tau for v, _ in tails.values()))

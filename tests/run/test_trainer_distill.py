@@ -25,8 +25,10 @@ def _trainer(tmp, *extra):
 def test_policy_after_one_step_is_bitwise_identical_with_and_without_distill(tmp_path):
   # The same update path in both (the recompute is skipped only without DistillSparse).
   # exact_alpha_every runs before the update and changes nothing (checked below on `off`).
-  on = _trainer(tmp_path / "on", "num_steps=1", "distill=true")
-  off = _trainer(tmp_path / "off", "num_steps=1", "distill=false",
+  # T = 0.7: the exact alpha, the monitor and the replay check below all work at the
+  # rollout's temperature (a T mix-up anywhere shows).
+  on = _trainer(tmp_path / "on", "num_steps=1", "distill=true", "temperature=0.7")
+  off = _trainer(tmp_path / "off", "num_steps=1", "distill=false", "temperature=0.7",
                  "skip_redundant_recompute=false", "exact_alpha_every=1", "exact_alpha_rows=0")
   lora_before = [np.asarray(x) for x in jax.tree.leaves(on.lora)]
   on.fit()
@@ -66,6 +68,10 @@ def _assert_exact_alpha_bounded_below_by_the_monitor(rec):
       min(rec[f"mismatch/p5_bin_{b}"] for b in bins), abs=1e-6)
   assert rec["mismatch/bound_above_exact_frac"] == 0.0
   assert 0.0 <= rec["mismatch/exact_bound_gap"] < 1.0
+  # The teacher-forced sparse actor replays the engine's sampled-token log-probs (same
+  # temperature, same alignment, same pages): a mix-up of any of them is off by >> 1e-4.
+  assert rec["mismatch/replay_logp_maxdiff"] < 1e-4, rec["mismatch/replay_logp_maxdiff"]
+  assert rec["mismatch/replay_frac_off"] == 0.0 and rec["mismatch/replay_rows_off"] == 0.0
   assert rec["time/exact_alpha_s"] > 0
 
 
