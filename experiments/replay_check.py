@@ -137,6 +137,13 @@ def main(argv=None) -> int:
         first = int(off[0])  # token `first` is predicted at position first - 1
         resp = np.arange(row["prompt_len"] - 1, row["length"] - 1)
         finite = marg[resp][np.isfinite(marg[resp])]
+        # positions whose selection was nearly tied somewhere (margin < 1e-5), with the
+        # difference of the token each predicts: a flip there may stay under the threshold and
+        # only grow past it later, through the K/V written after it
+        tied = [p for p in resp if marg[p] < 1e-5]
+        row["near_ties"] = [[int(p), float(marg[p]), float(d[p + 1])] for p in tied]
+        above = np.flatnonzero(d > 1e-4)
+        row["first_above_1e-4"] = int(above[0]) if above.size else None
         row.update({"first_off": first, "first_off_diff": float(d[first]),
                     "margin_at_first_off": float(marg[first - 1]),
                     "margin_rank_at_first_off": float(np.mean(finite <= marg[first - 1])),
@@ -163,6 +170,11 @@ def main(argv=None) -> int:
       print(f"| {x['round']}:{x['row']} | {x['tokens']} | {x['off_tokens']} | "
             f"{x['first_off']} | {x['first_off_diff']:.2e} | {x['margin_at_first_off']:.1e} | "
             f"{x['margin_rank_at_first_off']:.3f} | {x['margin_median_row']:.1e} |")
+    print("\nnear-tied positions (margin < 1e-5) of those rows: position, margin, |diff| of the "
+          "token it predicts; and each row's first token off by more than 1e-4")
+    for x in off_rows:
+      ties = ", ".join(f"{p} ({m:.1e}, {dd:.1e})" for p, m, dd in x["near_ties"]) or "none"
+      print(f"  {x['round']}:{x['row']}: {ties}; first > 1e-4 at {x['first_above_1e-4']}")
   if args.out:
     with open(args.out, "w") as f:
       json.dump({"summary": summary, "rows": rows}, f, indent=1)
