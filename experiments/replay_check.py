@@ -48,6 +48,7 @@ def margins_of_row(tr, tokens, prompt_len: int, length: int) -> np.ndarray:
   from flax import nnx
 
   from sparrow_jax.pallas_kernels import teacher_forced as tf_lib
+  from sparrow_jax.pallas_kernels.selection import candidate_scores
   from sparrow_jax.rl.switching import attention_for
   from sparrow_jax.schedule.schedule import teacher_forced_budgets
 
@@ -58,12 +59,9 @@ def margins_of_row(tr, tokens, prompt_len: int, length: int) -> np.ndarray:
 
   def recording(scores, num_pages, budget, *, max_budget, reserved_bos=1, reserved_recent=2,
                 slot_multiple=1):
-    m = scores.shape[-1]
-    hi = num_pages - reserved_recent
-    pages = jnp.arange(m)
-    cand = (pages >= reserved_bos) & (pages < hi[:, None])  # [R, M]
-    masked = jnp.where(cand[:, None, :], scores.astype(jnp.float32), -jnp.inf)
-    vals, _ = jax.lax.top_k(masked, min(max_budget + 1, m))  # [R, K, k+1]
+    masked = candidate_scores(scores, jnp.clip(num_pages, 0, scores.shape[-1]),
+                              reserved_bos=reserved_bos, reserved_recent=reserved_recent)
+    vals, _ = jax.lax.top_k(masked, min(max_budget + 1, scores.shape[-1]))  # [R, K, k+1]
     kk = jnp.clip(budget, 1, vals.shape[-1] - 1)[:, None, None]
     last = jnp.take_along_axis(vals, kk - 1, axis=-1)[..., 0]
     first_out = jnp.take_along_axis(vals, kk, axis=-1)[..., 0]
@@ -101,6 +99,7 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default="", help="write the results here (JSON)")
   ap.add_argument("keys", nargs="*", help="key=value overrides of the preset")
   args = ap.parse_args(argv)
+  from sparrow_jax.rl.monitor import replay_diff
   from sparrow_jax.run.config import get_train_config
   from sparrow_jax.run.trainer import Trainer
   keys = ["schedule=constant:2", "tensorboard=false", "distill=false",
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  if cfg.top_p < 1.0 or cfg.top_k:
+  if not cfg.samples_unfiltered:
     print("error: the replay compares unfiltered log-probs: top_p=1 and top_k=0 needed",
           file=sys.stderr)
     return 2
@@ -124,10 +123,10 @@ def main(argv=None) -> int:
     a = tr.make_batch(comps)
     tr.engine_release()
     _, logp = tr.token_alpha(a, tr.schedule, None, with_logp=True)
-    diff = np.abs(logp.astype(np.float64) - a["rollout_logp"].astype(np.float64))
+    diff = replay_diff(logp, a["rollout_logp"], a["mask"])  # [B, T], 0 off the responses
     m = a["mask"] > 0
     for j in range(len(comps)):
-      d = np.where(m[j], diff[j], 0.0)
+      d = diff[j]
       off = np.flatnonzero(d > args.threshold)
       row = {"round": r, "row": j, "prompt_len": int(a["prompt_lens"][j]),
              "length": int(a["lengths"][j]), "tokens": int(m[j].sum()),

@@ -210,6 +210,15 @@ def score_pages(q, landmarks, kind):
   return jnp.max(per_head, axis=-2)  # [..., K, M]
 
 
+def candidate_scores(scores, num_pages, *, reserved_bos: int, reserved_recent: int):
+  """Float32 scores [B, K, M] of the pages top-k chooses among, -inf elsewhere: logical pages
+  reserved_bos <= j < num_pages - reserved_recent (`num_pages` [B], already clipped to M)."""
+  pages = jnp.arange(scores.shape[-1])
+  hi = num_pages - reserved_recent  # [B]
+  cand = (pages >= reserved_bos) & (pages < hi[:, None])  # [B, M]
+  return jnp.where(cand[:, None, :], scores.astype(jnp.float32), -jnp.inf)
+
+
 def select_pages(scores, num_pages, budget, *, max_budget: int, reserved_bos: int = 1,
                  reserved_recent: int = 2, slot_multiple: int = 1):
   """Logical pages each (sequence, kv head) attends to: reserved pages + top-`budget`.
@@ -273,12 +282,10 @@ def select_pages(scores, num_pages, budget, *, max_budget: int, reserved_bos: in
   # Top-k among the candidates.
   top_k = min(max_budget, m)
   if top_k:
-    pages = jnp.arange(m)
-    hi = num_pages - reserved_recent  # [B] candidates are reserved_bos <= j < hi
-    cand = (pages >= reserved_bos) & (pages < hi[:, None])  # [B, M]
-    masked = jnp.where(cand[:, None, :], scores.astype(jnp.float32), -jnp.inf)  # [B, K, M]
+    masked = candidate_scores(scores, num_pages, reserved_bos=reserved_bos,
+                              reserved_recent=reserved_recent)  # [B, K, M]
     _, top = lax.top_k(masked, top_k)  # [B, K, top_k]
-    n_cand = jnp.maximum(hi - reserved_bos, 0)  # [B]
+    n_cand = jnp.maximum(num_pages - reserved_recent - reserved_bos, 0)  # [B]
     take = jnp.minimum(budget, n_cand)  # [B]
     top_ok = jnp.arange(top_k)[None, None, :] < take[:, None, None]  # [B, 1, top_k]
     parts_idx.append(top.astype(jnp.int32))

@@ -106,6 +106,25 @@ def lower_bound_alpha(sparse_ids, sparse_logp, dense_ids, dense_logp) -> np.ndar
   return out.reshape(lead)
 
 
+def replay_diff(replay_logp, rollout_logp, mask) -> np.ndarray:
+  """|log q_replay(y_t) - log q_rollout(y_t)| per token [B, T] (float64; 0 off `mask`): the
+  teacher-forced sparse actor's log-prob of each sampled token against the engine's."""
+  d = np.abs(np.asarray(replay_logp, np.float64) - np.asarray(rollout_logp, np.float64))
+  return np.where(np.asarray(mask) > 0, d, 0.0)
+
+
+def replay_stats(diff, mask, threshold: float = 1e-3) -> dict[str, float]:
+  """`mismatch/replay_*` of a `replay_diff`: the largest difference, the fraction of `mask`'s
+  tokens off by more than `threshold` and the rows holding any ({} without tokens)."""
+  m = np.asarray(mask) > 0
+  if not m.any():
+    return {}
+  off = (diff > threshold) & m
+  return {"mismatch/replay_logp_maxdiff": float(diff[m].max()),
+          "mismatch/replay_frac_off": float(off.sum() / m.sum()),
+          "mismatch/replay_rows_off": float(off.any(axis=1).sum())}
+
+
 def exact_alpha(dense_logits, sparse_logits, mask=None) -> np.ndarray:
   """Exact alpha_t from next-token logits [..., T, V] of both sides -> float32 [..., T]."""
   return np.asarray(mismatch.acceptance_rate(jnp.asarray(dense_logits),

@@ -152,27 +152,24 @@ def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths
   split = lambda h: jnp.pad(h, ((0, 0), (0, nc * chunk - t), (0, 0))).reshape(
       b, nc, chunk, d).swapaxes(0, 1)  # [nc, B, chunk, D]
 
-  # The token each position predicts (the next one; the last position's is a dummy 0).
-  nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-  nxt = jnp.pad(nxt, ((0, 0), (0, nc * chunk - t))).reshape(b, nc, chunk).swapaxes(0, 1)
+  xs = (split(dense), split(sparse))
+  if with_logp:  # the token each position predicts (the last position's is a dummy 0)
+    nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, nc * chunk - t + 1)))
+    xs += (nxt.reshape(b, nc, chunk).swapaxes(0, 1),)  # [nc, B, chunk]
 
   def one(args):
-    hd, hs, y = args
-    ls = model.logits(hs) / temperature  # [B, chunk, V]
-    alpha = mismatch.acceptance_rate(model.logits(hd) / temperature, ls)  # [B, chunk]
+    ls = model.logits(args[1]) / temperature  # [B, chunk, V]
+    alpha = mismatch.acceptance_rate(model.logits(args[0]) / temperature, ls)  # [B, chunk]
     if not with_logp:
       return alpha
     lse = jax.nn.logsumexp(ls.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(ls, y[..., None], axis=-1)[..., 0].astype(jnp.float32)
+    picked = jnp.take_along_axis(ls, args[2][..., None], axis=-1)[..., 0].astype(jnp.float32)
     return alpha, picked - lse
 
+  # Token t is predicted by the logits at t - 1: the value of token t is at index t.
   unsplit = lambda x: jnp.pad(x.swapaxes(0, 1).reshape(b, nc * chunk)[:, :t - 1],
                               ((0, 0), (1, 0)))  # [B, T]
-  # Token t is predicted by the logits at t - 1: alpha of token t is at index t.
-  out = jax.lax.map(one, (split(dense), split(sparse), nxt))  # [nc, B, chunk] (each)
-  if not with_logp:
-    return unsplit(out)
-  return unsplit(out[0]), unsplit(out[1])
+  return jax.tree.map(unsplit, jax.lax.map(one, xs))  # [B, T] (a pair with `with_logp`)
 
 
 def probe_alpha(graphdef, state, lora, tokens, schedule: SparsitySchedule, *,

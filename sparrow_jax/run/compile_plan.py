@@ -172,9 +172,11 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
     from sparrow_jax.rl.switching import _probe_alpha
     att = attention_spec(cand, max_position=l, backend="xla",
                          landmark_dtype=cfg.landmark_dtype)
+    # exact alpha also replays the sampled tokens' log-probs (Trainer.exact_alpha)
+    with_logp = bool(cfg.exact_alpha_every) and cfg.samples_unfiltered
     probe = jax.jit(lambda p, lo, mb, t: _probe_alpha(
         graphdef, p, lo, mb["tokens"], mb["budgets"], mb["prompt_lens"], mb["lengths"], t,
-        attention=att, chunk=cfg.logprob_chunk))
+        attention=att, chunk=cfg.logprob_chunk, with_logp=with_logp))
     run("probe", probe, (params, lora, batch(r, l, ("tokens", "budgets", "prompt_lens",
                                                     "lengths")), scalar), r, l)
   r, l = worst_micro_batch(cfg, div, grad=True)

@@ -306,6 +306,12 @@ class TrainConfig:
     return self.micro_batch_size or self.mini_batch
 
   @property
+  def samples_unfiltered(self) -> bool:
+    """Sampling draws from the whole tempered distribution (no top-p / top-k filter), so the
+    engine's sampled-token log-probs are those a teacher-forced forward recomputes."""
+    return self.top_p >= 1.0 and self.top_k == 0
+
+  @property
   def skips_recompute(self) -> bool:
     """The dense recompute is redundant: one optimizer step per rollout batch (one epoch,
     one mini-batch), so the old log-probs equal the update's own forward under

@@ -58,7 +58,7 @@ from sparrow_jax.run import fit_hooks
 from sparrow_jax.run import microbatch as mb_lib
 from sparrow_jax.run import stages
 from sparrow_jax.run.programs import build_programs
-from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig
+from sparrow_jax.rl.monitor import MismatchMonitor, MonitorConfig, replay_diff, replay_stats
 from sparrow_jax.rl.switching import (ScheduleLadder, _probe_alpha as probe_alpha_program,
                                       alpha_tail, alpha_tails_per_bin, attention_for)
 from sparrow_jax.run.config import TrainConfig
@@ -740,20 +740,15 @@ class Trainer:
     n = int(np.shape(arrays["tokens"])[0])
     rows = n if not cfg.exact_alpha_rows else min(cfg.exact_alpha_rows, n)
     sub = {k: np.asarray(arrays[k])[:rows] for k in ("tokens", "prompt_lens", "lengths", "mask")}
-    replay = "rollout_logp" in arrays and cfg.top_p >= 1.0 and cfg.top_k == 0
+    replay = "rollout_logp" in arrays and cfg.samples_unfiltered
     res = self.token_alpha(sub, self.schedule, self.lora if cfg.distill else None,
                            with_logp=replay)
     alpha, logp = res if replay else (res, None)
     tails = alpha_tails_per_bin(alpha, sub["mask"], bin_size=cfg.mismatch_bin_size)
     out: dict[str, float] = {"mismatch/exact_rows": float(rows)}
-    m = sub["mask"] > 0
-    if logp is not None and m.any():
-      diff = np.abs(logp.astype(np.float64)
-                    - np.asarray(arrays["rollout_logp"])[:rows].astype(np.float64))
-      off = (diff > 1e-3) & m
-      out.update({"mismatch/replay_logp_maxdiff": float(diff[m].max()),
-                  "mismatch/replay_frac_off": float(off.sum() / m.sum()),
-                  "mismatch/replay_rows_off": float(off.any(axis=1).sum())})
+    if replay:
+      diff = replay_diff(logp, np.asarray(arrays["rollout_logp"])[:rows], sub["mask"])
+      out.update(replay_stats(diff, sub["mask"]))
     if tails:
       out["mismatch/exact_p5"] = min(v for v, _ in tails.values())
       out["mismatch/exact_bins_below_tau"] = float(sum(v < cfg.tau for v, _ in tails.values()))
