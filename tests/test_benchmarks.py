@@ -36,3 +36,15 @@ def test_rollout_bytes_bound_counts_what_each_layer_reads():
   # A context within budget + reserved pages reads everything: no gain is possible there.
   small = bench.bytes_per_step(mc, sched, batch=2, context=256, dense=False)
   assert small > bench.bytes_per_step(mc, sched, batch=2, context=256, dense=True)
+
+
+def test_vs_transformers_refuses_an_unknown_dtype(capsys):
+  assert _load("rollout").main(["--vs-transformers", "--vt-dtypes", "float32,float16"]) == 2
+  assert "--vt-dtypes 'float32,float16'" in capsys.readouterr().err
+
+
+def test_cpu_matmul_refuses_bad_rows(capsys):
+  bench = _load("cpu_matmul")
+  assert bench.main(["--rows", "1,x"]) == 2
+  assert "--rows '1,x'" in capsys.readouterr().err
+  assert bench.main(["--rows", "0,4"]) == 2
