@@ -186,6 +186,18 @@ def filter_logits(x, top_p, top_k, sampled, max_top_k: int):
   return jax.lax.switch(filter_branch(p, top_k, sampled), branches, x)
 
 
+def row_argmax(x):
+  """`jnp.argmax(x, axis=-1)` as int32, the same indices (the first maximum; a row holding NaN
+  gives its first NaN), computed as a max and a min over indices: two plain reductions that
+  XLA:CPU vectorises, where argmax's (value, index) pair reduce runs element by element (3x
+  slower on [16, 49152]; with the Gumbel noise fused in, a sampled draw 14.5 -> 4.3 ms)."""
+  nan = jnp.isnan(x)
+  m = jnp.max(x, axis=-1, keepdims=True)  # (XLA:CPU's max may skip NaN: tested apart)
+  hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, x == m)
+  idx = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  return jnp.min(jnp.where(hit, idx, jnp.int32(x.shape[-1] - 1)), axis=-1)
+
+
 def sample_tokens(logits, seeds, positions, temperature, top_p, top_k, *, max_top_k: int = 0):
   """Sample one token per row.
 
@@ -205,12 +217,12 @@ def sample_tokens(logits, seeds, positions, temperature, top_p, top_k, *, max_to
   def draw(x):  # Gumbel-max sample of every row (the noise is most of a CPU step's sampling)
     keys = jax.vmap(jax.random.fold_in)(seeds, positions)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (x.shape[-1],), jnp.float32))(keys)
-    return jnp.argmax(x + gumbel, axis=-1).astype(jnp.int32)
+    return row_argmax(x + gumbel)
 
   # All rows greedy: nothing to draw (the `where` below takes every row's argmax).
   sampled = jax.lax.cond(jnp.all(greedy), lambda x: jnp.zeros(x.shape[:-1], jnp.int32), draw,
                          filtered)
-  tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+  tokens = jnp.where(greedy, row_argmax(logits), sampled)
   dist = jnp.where(greedy[:, None], logits, filtered)
   logp = jax.nn.log_softmax(dist, axis=-1)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.engine.sampling import (SamplingParams, filter_branch, filter_logits,
+from sparrow_jax.engine.sampling import (SamplingParams, filter_branch, filter_logits, row_argmax,
                                          request_seed, sample_tokens, seed_key_data,
                                          topk_logprobs)
 from sparrow_jax.pallas_kernels.reference import MASK_VALUE
@@ -181,3 +181,23 @@ def test_seed_key_words_are_prngkey_for_32_bit_seeds_and_use_all_64_bits():
     SamplingParams(seed=-1)
   with pytest.raises(ValueError, match="SamplingParams.seed"):
     SamplingParams(seed=2**64)
+
+
+def test_row_argmax_is_jnp_argmax_with_ties_infinities_and_nan():
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((12, 1000)).astype(np.float32)
+  x[1, [3, 700]] = 9.0  # a tie: the first wins
+  x[2] = -np.inf  # a fully masked row
+  x[3, ::2] = -np.inf
+  x[4, [5, 10]] = np.nan  # NaN counts as the maximum, its first one
+  x[5, 999] = np.inf
+  x[6, [0, 999]] = np.inf
+  x[7] = 0.0
+  x[7, 500] = -0.0
+  x[8] = np.round(x[8])  # many ties
+  x[9, 20] = np.nan
+  x[9, 10] = np.inf
+  got = np.asarray(jax.jit(row_argmax)(jnp.asarray(x)))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+  np.testing.assert_array_equal(got[[1, 2, 4, 9]], [3, 0, 5, 20])
