@@ -949,8 +949,10 @@ class Trainer:
         logger.phase("warm start")
         self.warmstart(logger)
         self.warmstart_done = True
-        if stop.signame:
-          self._stop(logger, stop.signame)
+        agreed = distributed.agree_stop(stop.signame)  # all stop, or none (a collective)
+        if agreed:
+          stop.signame = agreed
+          self._stop(logger, agreed)
       logger.phase("compiling")  # the first step of a process compiles every stage
       while self.step < cfg.num_steps:
         stop.step = self.step + 1
@@ -966,16 +968,21 @@ class Trainer:
         if metrics["skipped_update"]:
           logger.event(f"step {self.step}: non-finite loss or gradient, update skipped "
                        f"({self.bad_steps} in a row)")
-        # Every process stops after the same step: a signal on any one counts for all.
-        stop.signame = distributed.agree_stop(stop.signame)
+        # Every process stops after the same step: a signal on any one counts for all. A
+        # signal that lands during the agreement itself (after this process sent its flag)
+        # stays pending here and is agreed at the next step's end: the agreed value must
+        # not overwrite it (a lost SIGTERM ran a 2-process job to its last step).
+        agreed = distributed.agree_stop(stop.signame)
+        if agreed:
+          stop.signame = agreed
         if self.bad_steps >= cfg.max_bad_steps:
           logger.close()
           raise TrainingStopped(
               f"stopping: {self.bad_steps} consecutive steps with a non-finite loss or "
               f"gradient (max_bad_steps={cfg.max_bad_steps}); parameters are those of the "
               "last finite step and earlier checkpoints are untouched")
-        if stop.signame and self.step < cfg.num_steps:
-          self._stop(logger, stop.signame)
+        if agreed and self.step < cfg.num_steps:
+          self._stop(logger, agreed)
       stop.step = None  # the end: a signal now only skips the export
       if self.bad_steps == 0 and self.checkpointer.latest_step() != self.step:
         self.save_checkpoint(force=True)  # (a resumed, finished run keeps its checkpoint)

@@ -178,6 +178,32 @@ def test_signal_saves_a_checkpoint_and_exits_130(tmp_path, capsys, monkeypatch, 
   assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
 
+def test_a_signal_inside_the_stop_agreement_stops_the_run_one_step_later(tmp_path, capsys,
+                                                                         monkeypatch):
+  """Multi-host: a signal that lands while the processes agree on stopping (after this one
+  sent its flag) must not be overwritten by the agreed "no stop": it is agreed at the next
+  step's end. (It was lost, and a SIGTERMed 2-process job ran to its last step.) Simulated in
+  one process: the agreement at step 2's end is made, then the signal arrives inside it."""
+  out = tmp_path / "run"
+  real = trainer_lib.distributed.agree_stop
+  seen = []
+
+  def agree_then_signal(signame, allgather=None):
+    seen.append(signame)
+    agreed = real(signame)
+    if len(seen) == 3:  # warm start's agreement, step 1's, then step 2's
+      os.kill(os.getpid(), signal.SIGTERM)  # handled before the agreement returns
+    return agreed
+
+  monkeypatch.setattr(trainer_lib.distributed, "agree_stop", agree_then_signal)
+  rc = train_cli.main(SMALL + [f"out_dir={out}", "distill=false", "num_steps=5", "--quiet"])
+  assert rc == 130
+  assert seen == [None, None, None, "SIGTERM"]
+  assert "SIGTERM: stopped after step 3, checkpoint saved" in capsys.readouterr().err
+  assert sorted(os.listdir(out / "checkpoints")) == ["3"]
+  assert [r["step"] for r in _lines(out / "metrics.jsonl")] == [1, 2, 3]
+
+
 def test_default_save_every_is_ten():
   cfg = get_train_config("tiny")
   assert cfg.save_every == 10 and get_train_config("qwen3_1p7b").save_every == 20
