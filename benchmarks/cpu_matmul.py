@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -36,15 +35,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-
-def _median(fn, repeats: int) -> float:
-  fn()
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    ts.append(time.perf_counter() - t0)
-  return statistics.median(ts)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_profile import _median_time, machine_rates, model_terms  # noqa: E402
 
 
 def xla_rate(mats, rows: int, dtype, repeats: int) -> float:
@@ -52,7 +44,7 @@ def xla_rate(mats, rows: int, dtype, repeats: int) -> float:
   x = jnp.ones((rows, mats[0].shape[0]), dtype)
   f = jax.jit(lambda x, ws: sum(jnp.dot(x, w, preferred_element_type=jnp.float32)
                                 for w in ws))
-  return _median(lambda: f(x, mats).block_until_ready(), repeats)
+  return _median_time(f, x, mats, repeats=repeats)
 
 
 def torch_rate(mats, rows: int, repeats: int) -> float:
@@ -64,7 +56,7 @@ def torch_rate(mats, rows: int, repeats: int) -> float:
       for w in mats:
         torch.nn.functional.linear(x, w)
 
-  return _median(go, repeats)
+  return _median_time(go, repeats=repeats)  # (go returns None: nothing to block on)
 
 
 def main(argv=None) -> int:
@@ -88,12 +80,8 @@ def main(argv=None) -> int:
   from sparrow_jax.models.config import get_config
   mc = get_config(args.config)
   d, f = mc.hidden_size, mc.intermediate_size
-  layer = d * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + \
-      mc.num_heads * mc.head_dim * d + 3 * d * f
-  params = mc.num_layers * layer + mc.vocab_size * d
-
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  from step_profile import machine_rates
+  terms = model_terms(mc)
+  params = terms["layers"] * terms["layer_params"] + terms["lm_params"]
   stream = machine_rates(d, f)["bytes"]
   print(f"# {time.strftime('%Y-%m-%d %H:%M')}  jax {jax.__version__}  "
         f"{platform.processor() or platform.machine()} ({os.cpu_count()} cpus)  "
