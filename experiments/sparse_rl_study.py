@@ -320,6 +320,40 @@ def _before(args) -> dict:
                os.path.join(args.runs, "start.log"))
 
 
+def _sched_name(schedule: str) -> str:
+  return os.path.basename(schedule) if schedule.endswith(".json") else schedule
+
+
+def arm_summary(rows: list[dict], k: int) -> list[str]:
+  """One line per arm and schedule over its seeds: held-out avg@k after as mean (min-max) and
+  the spread max - min (what says whether arms separate), pass@k, the sparse actor's own
+  avg@k and the exact p5 (both means over seeds; '-' where no seed has them)."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in rows:
+    groups.setdefault((r["arm"], _sched_name(r["schedule"])), []).append(r)
+  fmt = lambda v: "-" if v is None else f"{v:.3f}"
+  out = [f"| arm | schedule | seeds | held-out avg@{k} after: mean (min-max) | spread | "
+         f"pass@{k} after, mean | sparse actor's own avg@{k}, mean | exact p5 mean, mean | "
+         "steps with exact p5 < tau |",
+         "|---|---|---|---|---|---|---|---|---|"]
+  order = lambda key: (ARMS.index(key[0]) if key[0] in ARMS else len(ARMS), key)
+  for key in sorted(groups, key=order):
+    rs = sorted(groups[key], key=lambda r: r["seed"])
+    after = [r[f"heldout_avg{k}_after"] for r in rs]
+    own = _mean(r.get(f"heldout_avg{k}_after_sparse_lora", r.get(f"heldout_avg{k}_after_sparse"))
+                for r in rs)
+    below = [r.get("steps_exact_below_tau") for r in rs]
+    steps = sum(len(r.get("steps", [])) for r in rs)
+    measured = [r.get("p5_exact_mean") is not None for r in rs]  # dense arms have no exact p5
+    below_s = f"{sum(b or 0 for b in below)} of {steps}" if any(measured) else "-"
+    out.append(f"| {key[0]} | {key[1]} | {', '.join(str(r['seed']) for r in rs)} | "
+               f"{fmt(_mean(after))} ({fmt(min(after))}-{fmt(max(after))}) | "
+               f"{fmt(max(after) - min(after))} | "
+               f"{fmt(_mean(r[f'heldout_pass{k}_after'] for r in rs))} | {fmt(own)} | "
+               f"{fmt(_mean(r.get('p5_exact_mean') for r in rs))} | {below_s} |")
+  return out
+
+
 def report(args) -> int:
   """docs/sparse_rl_study.md's table (and the figures) from every JSON under OUT."""
   files = sorted(f for f in os.listdir(args.out) if f.endswith(".json")) if os.path.isdir(
@@ -341,15 +375,14 @@ def report(args) -> int:
   fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"
   for r in sorted(rows, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 9,
                                        r["seed"])):
-    sched = (os.path.basename(r["schedule"]) if r["schedule"].endswith(".json")
-             else r["schedule"])
+    sched = _sched_name(r["schedule"])
     lines.append(f"| {r['arm']} | {r['seed']} | {r['steps_run']} | {sched} | "
                  f"{fmt(r[f'heldout_avg{k}_before'])} | {fmt(r[f'heldout_avg{k}_after'])} | "
                  f"{fmt(r[f'heldout_pass{k}_after'])} | {fmt(r['rollout_s_per_step'], 1)} | "
                  f"{fmt(r['p5_exact_mean'])} | {fmt(r['p5_exact_min'])} | "
                  f"{fmt(r['p5_bound_min'])} | {fmt(r.get('p5_bound_exact_rows_mean'))} | "
                  f"{fmt(r.get('tis_frac_above_cap_mean'), 4)} | {fmt(r.get('tis_kl_mean'), 4)} |")
-  table = "\n".join(lines) + "\n"
+  table = "\n".join(lines) + "\n\n" + "\n".join(arm_summary(rows, k)) + "\n"
   fig = _figures(rows, args.out)
   print(table)
   if args.report_md:
@@ -389,8 +422,12 @@ def _figures(rows, out_dir: str) -> str | None:
   # exact p5 per position bin over steps, one panel per arm that has it
   sparse = [r for r in rows if r.get("p5_exact_bins")]
   if sparse:
-    fig, axes = plt.subplots(1, len(sparse), figsize=(5 * len(sparse), 4), squeeze=False)
-    for ax, r in zip(axes[0], sparse):
+    cols = min(len(sparse), 4)  # a grid of 4 runs per row, however many seeds
+    nrow = -(-len(sparse) // cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(5 * cols, 4 * nrow), squeeze=False)
+    for ax in axes.flat[len(sparse):]:
+      ax.set_visible(False)
+    for ax, r in zip(axes.flat, sparse):
       for b, series in sorted(r["p5_exact_bins"].items(), key=lambda kv: int(kv[0])):
         ax.plot(r["steps"], [math.nan if v is None else v for v in series], ".-", ms=3,
                 label=f"bin {b}")  # markers: a bin seen in one step only is a point

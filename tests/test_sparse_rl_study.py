@@ -100,3 +100,29 @@ def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   # Bad arguments fail before any work.
   assert study.main(common + ["--arms", "tau"]) == 2
   assert "--calibrate" in capsys.readouterr().err
+
+
+def test_arm_summary_groups_seeds_by_arm_and_schedule():
+  def row(arm, seed, after, sched="constant:2", p5=None, below=0, own=None, steps=3):
+    r = {"arm": arm, "seed": seed, "schedule": sched, "heldout_avg4_after": after,
+         "heldout_pass4_after": after + 0.1, "p5_exact_mean": p5,
+         "steps_exact_below_tau": below, "steps": list(range(1, steps + 1))}
+    if own is not None:
+      r["heldout_avg4_after_sparse"] = own
+    return r
+  rows = [row("aggressive", 1, 0.5, p5=0.3, below=3, own=0.4),
+          row("dense", 0, 0.7, sched="dense"), row("dense", 1, 0.6, sched="dense"),
+          row("aggressive", 0, 0.8, p5=0.5, below=2, own=0.6),
+          row("aggressive", 2, 0.6, sched="constant:8", p5=0.9, below=0, own=0.55),
+          row("tau", 0, 0.65, sched="/x/runs/calib/schedule.json", p5=0.93, below=1)]
+  lines = study.arm_summary(rows, 4)
+  assert len(lines) == 2 + 4, lines  # dense, tau, aggressive x 2 schedules
+  body = lines[2:]
+  assert body[0] == ("| dense | dense | 0, 1 | 0.650 (0.600-0.700) | 0.100 | 0.750 | - | - "
+                     "| - |")
+  assert body[1].startswith("| tau | schedule.json | 0 | 0.650 (0.650-0.650) | 0.000 |")
+  assert body[1].endswith("| 0.930 | 1 of 3 |")
+  # seeds sorted, means over seeds, tau misses summed over every seed's steps
+  assert body[2] == ("| aggressive | constant:2 | 0, 1 | 0.650 (0.500-0.800) | 0.300 | 0.750 "
+                     "| 0.500 | 0.400 | 5 of 6 |")
+  assert body[3].startswith("| aggressive | constant:8 | 2 | 0.600 (0.600-0.600) |")
