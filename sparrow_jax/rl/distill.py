@@ -119,8 +119,8 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
                  prompt_lengths=None, lengths=None, kind: str = "k3", coef: float = 1.0,
                  pg_coef: float = 0.0, advantages=None, rollout_logp=None,
                  tis_cap: float | None = 2.0, dense_logits=None, temperature: float = 1.0,
-                 logprob_chunk: int = 128, num_tokens=None,
-                 remat: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+                 logprob_chunk: int = 128, num_tokens=None, remat: bool = False,
+                 window: tuple | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
   """DistillSparse loss of the LoRA tree `lora` -> (scalar loss, metrics).
 
   Args:
@@ -145,8 +145,16 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
       (the token means then divide by it, so micro-batch losses and gradients sum to the
       one-piece ones); None = this batch's own count.
     remat: recompute each layer in the backward pass (long sequences).
+    window: (start [B] int, width: static int) with kind "k3": the LM head runs over
+      tokens[b, start_b : start_b + width] only (`rl/logprobs.logits_to_stats`), as the
+      GRPO update's does: the responses, not the prompts. Every token of `mask` must lie in
+      it (the trainer passes the prompt lengths and max_new_tokens).
   """
   _check_kind(kind)
+  if window is not None and kind != "k3":
+    raise ValueError(f"distill_loss: window={window!r} with kind={kind!r}; the LM-head window "
+                     "applies to kind 'k3' only ('reverse_kl_full' needs every position's "
+                     "logits)")
   if tokens.ndim != 2 or mask.shape != tokens.shape or old_dense_logp.shape != tokens.shape:
     raise ValueError(f"distill_loss: tokens {tokens.shape}, mask {mask.shape}, old_dense_logp "
                      f"{old_dense_logp.shape}; expected equal [B, T] shapes")
@@ -163,7 +171,7 @@ def distill_loss(lora, graphdef, state, tokens, mask, old_dense_logp, *, attenti
     logp = logprobs_from_logits(logits, tokens, temperature)  # [B, T]
   else:
     logp = logits_to_stats(model, hidden, tokens, chunk=logprob_chunk,
-                           temperature=temperature).logp  # [B, T]
+                           temperature=temperature, window=window).logp  # [B, T]
   m = jnp.asarray(mask, jnp.float32).at[:, 0].set(0.0)  # [B, T]
   valid = m > 0
   # Masked entries may hold anything: replace them so that no NaN reaches the gradient.

@@ -158,9 +158,12 @@ def make_zeros():
 # --- DistillSparse ---------------------------------------------------------------------------
 
 def make_distill_grad(graphdef, attention, dcfg: distill_lib.DistillConfig,
-                      count: Callable[[], None] = lambda: None, hints=(None, ())):
+                      count: Callable[[], None] = lambda: None, hints=(None, ()),
+                      response_window: int | None = None):
   """DistillSparse's gradient of one micro-batch w.r.t. the LoRA only; `den` carries the
-  step batch's token count so micro-batch losses sum to the one-piece loss."""
+  step batch's token count so micro-batch losses sum to the one-piece loss. With kind "k3"
+  the LM head runs over the responses' window only, as in `make_grad_step`."""
+  win = response_window if dcfg.kind == "k3" else None
 
   def loss_fn(lora, params, mb, den):
     return distill_lib.distill_loss(
@@ -169,7 +172,7 @@ def make_distill_grad(graphdef, attention, dcfg: distill_lib.DistillConfig,
         lengths=mb.get("lengths"), kind=dcfg.kind, coef=dcfg.coef, pg_coef=dcfg.pg_coef,
         advantages=mb.get("advantages"), rollout_logp=mb.get("rollout_logp"),
         tis_cap=dcfg.tis_cap, temperature=dcfg.temperature, logprob_chunk=dcfg.logprob_chunk,
-        num_tokens=den["num_tokens"], remat=True)
+        num_tokens=den["num_tokens"], remat=True, window=_window(mb, win))
 
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -239,7 +242,8 @@ def build_programs(graphdef, cfg, *, loss_cfg: grpo.GRPOLossConfig, tx, temperat
       count=count,
       skip_recompute=skip_recompute)
   if dcfg is not None:
-    progs.distill_grad = make_distill_grad(graphdef, attention, dcfg, count, hints=hints)
+    progs.distill_grad = make_distill_grad(graphdef, attention, dcfg, count, hints=hints,
+                                           response_window=win)
     progs.distill_apply = make_distill_apply(lora_tx, count, hints=hints,
                                              min_gap=dcfg.skip_below_gap)
   return progs

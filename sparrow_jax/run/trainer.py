@@ -297,6 +297,7 @@ class Trainer:
                                        temperature=self.temperature,
                                        logprob_chunk=cfg.logprob_chunk,
                                        min_gap=cfg.distill_min_gap)
+    self.distill_cfg = dcfg
     count = self.programs.count if getattr(self, "programs", None) is not None else None
     self.programs = build_programs(
         self.graphdef, cfg, loss_cfg=self.loss_cfg, tx=self.tx, temperature=self.temperature,

@@ -83,6 +83,30 @@ def test_distill_in_micro_batches_equals_one_piece(pair):
       np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4 * scale)
 
 
+def test_distill_lm_head_window_changes_nothing(pair, monkeypatch):
+  """The trainer's distill program runs the LM head over the responses' window only
+  (max_new_tokens wide, from each row's prompt length): the same loss and LoRA gradient as
+  every position's, so the window is fed the right prompt lengths."""
+  import dataclasses
+  from sparrow_jax.run import programs
+  whole, _, _, batch = pair
+  assert batch["tokens"].shape[1] > whole.cfg.max_new_tokens  # the window cuts the rows
+  batch = dict(batch, old_logp=whole.recompute(batch)["old_logp"])
+  plan = whole.logprob_plan(batch["lengths"])
+  l1, m1, g1 = whole.distill_grads(batch, plan)
+  every = programs.make_distill_grad(whole.graphdef, whole.attention, whole.distill_cfg)
+  monkeypatch.setattr(whole, "programs", dataclasses.replace(whole.programs,
+                                                             distill_grad=every))
+  l0, m0, g0 = whole.distill_grads(batch, plan)
+  np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7)
+  for k in ("k3", "logp_gap", "max_abs_gap", "num_tokens"):
+    np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-7)
+  scale = max(np.abs(x).max() for x in _leaves(g0))
+  assert scale > 0
+  for x, y in zip(_leaves(g1), _leaves(g0), strict=True):
+    np.testing.assert_allclose(x, y, rtol=1e-3, atol=1e-4 * scale)
+
+
 def test_update_under_a_token_budget_equals_one_piece(pair):
   whole, _, budget, batch = pair
   rng = np.random.default_rng(3)
