@@ -110,18 +110,12 @@ def test_loss_values_match_float64_numpy(setup):
                              rtol=1e-4)
   assert 0 < float(mk["is_frac_truncated"]) < 1
   # The trainer's LM-head window over the responses (mask = positions P..T-1) gives the same
-  # loss and the same LoRA gradient.
+  # values (the LoRA gradient with and without it: tests/run/test_micro_phases.py).
   win = (jnp.full((B,), P, jnp.int32), T - P)
-  kw = dict(coef=0.5, pg_coef=2.0, advantages=jnp.asarray(adv), rollout_logp=rollout_full,
-            tis_cap=1.2)
-  grad = lambda **w: jax.jit(jax.grad(_loss_fn(s, "k3", **kw, **w), has_aux=True))(
-      lora, s["state"])
-  (gw, mw), (g0, _) = grad(window=win), grad()
-  np.testing.assert_allclose(float(mw["loss"]), 0.5 * k3_ref + 2.0 * pg_ref, rtol=2e-5)
-  for a, b in zip(jax.tree.leaves(gw), jax.tree.leaves(g0)):
-    b = np.asarray(b)  # float32 summation order: tolerances relative to the leaf's scale
-    assert np.abs(b).max() > 0
-    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-4 * np.abs(b).max())
+  _, mw = jax.jit(_loss_fn(s, "k3", coef=0.5, pg_coef=2.0, advantages=jnp.asarray(adv),
+                           rollout_logp=rollout_full, tis_cap=1.2, window=win))(lora, s["state"])
+  for key, want in (("k3", k3_ref), ("pg_loss", pg_ref), ("loss", 0.5 * k3_ref + 2.0 * pg_ref)):
+    np.testing.assert_allclose(float(mw[key]), want, rtol=2e-5, err_msg=key)
   with pytest.raises(ValueError, match="window"):
     _loss_fn(s, "reverse_kl_full", window=win)(lora, s["state"])
   # Full-vocabulary reverse KL; dense logits recomputed inside or passed in agree.
