@@ -320,6 +320,11 @@ def _before(args) -> dict:
                os.path.join(args.runs, "start.log"))
 
 
+def _arm_rank(arm: str) -> int:
+  """Tables list the arms in ARMS' order, unknown arms last."""
+  return ARMS.index(arm) if arm in ARMS else len(ARMS)
+
+
 def _sched_name(schedule: str) -> str:
   return os.path.basename(schedule) if schedule.endswith(".json") else schedule
 
@@ -336,16 +341,15 @@ def arm_summary(rows: list[dict], k: int) -> list[str]:
          f"pass@{k} after, mean | sparse actor's own avg@{k}, mean | exact p5 mean, mean | "
          "steps with exact p5 < tau |",
          "|---|---|---|---|---|---|---|---|---|"]
-  order = lambda key: (ARMS.index(key[0]) if key[0] in ARMS else len(ARMS), key)
-  for key in sorted(groups, key=order):
+  for key in sorted(groups, key=lambda key: (_arm_rank(key[0]), key)):
     rs = sorted(groups[key], key=lambda r: r["seed"])
     after = [r[f"heldout_avg{k}_after"] for r in rs]
     own = _mean(r.get(f"heldout_avg{k}_after_sparse_lora", r.get(f"heldout_avg{k}_after_sparse"))
                 for r in rs)
-    below = [r.get("steps_exact_below_tau") for r in rs]
-    steps = sum(len(r.get("steps", [])) for r in rs)
-    measured = [r.get("p5_exact_mean") is not None for r in rs]  # dense arms have no exact p5
-    below_s = f"{sum(b or 0 for b in below)} of {steps}" if any(measured) else "-"
+    below = sum(r["steps_exact_below_tau"] for r in rs)
+    steps = sum(len(r["steps"]) for r in rs)
+    measured = any(r.get("p5_exact_mean") is not None for r in rs)  # dense arms have none
+    below_s = f"{below} of {steps}" if measured else "-"
     out.append(f"| {key[0]} | {key[1]} | {', '.join(str(r['seed']) for r in rs)} | "
                f"{fmt(_mean(after))} ({fmt(min(after))}-{fmt(max(after))}) | "
                f"{fmt(max(after) - min(after))} | "
@@ -373,8 +377,7 @@ def report(args) -> int:
            "bound on the exact rows, mean | rho > 2, mean | KL(q, pi), mean |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"
-  for r in sorted(rows, key=lambda r: (ARMS.index(r["arm"]) if r["arm"] in ARMS else 9,
-                                       r["seed"])):
+  for r in sorted(rows, key=lambda r: (_arm_rank(r["arm"]), r["seed"])):
     sched = _sched_name(r["schedule"])
     lines.append(f"| {r['arm']} | {r['seed']} | {r['steps_run']} | {sched} | "
                  f"{fmt(r[f'heldout_avg{k}_before'])} | {fmt(r[f'heldout_avg{k}_after'])} | "
