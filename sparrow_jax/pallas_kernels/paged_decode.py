@@ -48,39 +48,18 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from sparrow_jax.pallas_kernels import split_k
-from sparrow_jax.pallas_kernels.reference import MASK_VALUE
+from sparrow_jax.pallas_kernels.reference import MASK_VALUE, check_decode_inputs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PagedDecodeConfig:
-  """Static launch parameters of the dense paged decode kernel.
+class PagedDecodeConfig(split_k.LaunchConfig):
+  """Static launch parameters of the dense paged decode kernel (fields: `split_k.LaunchConfig`).
 
-  k_splits: splits of a sequence's pages (flash-decoding split-K); None sizes them to the work
-    (`split_k.num_splits`: whole waves of `resident_programs`, never more splits than
-    blocks of the page table).
-  pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
-    (a power of two, >= 16); 8 pages of 16 tokens = 128 rows, a 128 x 128 bf16 tile.
-  num_warps, num_stages: Triton launch parameters.
-  resident_programs: programs the GPU runs at once (SMs x resident blocks), the unit of a wave
-    for the sized split count.
-  page_size, head_dim, dtype: optional block shape the config is built for; when all three are
-    given, a block whose shared memory is over an H200's 227 KiB is refused here (a kernel
-    call always checks its own shapes).
+  The keys a split takes are blocks of a sequence's own pages (never more splits than blocks of
+  the page table); 8 pages of 16 tokens per block = 128 rows, a 128 x 128 bf16 tile.
   """
-  k_splits: int | None = None
-  pages_per_block: int = 8
-  num_warps: int = 4
-  num_stages: int = 2
-  resident_programs: int = split_k.RESIDENT_PROGRAMS
-  page_size: int | None = None
-  head_dim: int | None = None
-  dtype: str | None = None
-
-  def __post_init__(self):
-    split_k.check_launch_config(self)
 
 
 def _paged_decode_kernel(
@@ -107,7 +86,6 @@ def _paged_decode_kernel(
   q = q_ref[...]  # [Gp, D]
 
   def body(t, carry):
-    o_prev, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] float32
     first = (t * k_splits + split) * pages_per_block  # first logical page of the block
     logical = first + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)  # [ppb]
     # The last block may run past the sequence's pages: read its last page again (masked
@@ -115,46 +93,12 @@ def _paged_decode_kernel(
     phys = page_table_ref[jnp.minimum(logical, num_pages - 1)]  # [ppb] physical page ids
     k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D] cache dtype
     v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
-    logits = plgpu.dot(q, k, trans_b=True,
-                       precision=split_k.DOT_PRECISION) * sm_scale  # [Gp, ppb*S] f32
     pos = first * page_size + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # [1, ppb*S]
-    tok_ok = pos < length
-    logits = jnp.where(tok_ok, logits, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, logits.max(axis=-1))  # [Gp]
-    corr = jnp.exp(m_prev - m_next)  # [Gp]
-    p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
-    l_next = corr * l_prev + p.sum(axis=-1)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=split_k.DOT_PRECISION)  # [Gp, D] f32
-    o_next = corr[:, None] * o_prev + pv
-    return o_next, m_next, l_next
+    return split_k.online_softmax_block(carry, q, k, v, pos < length, sm_scale)
 
   # Blocks of this split: split, split + k_splits, ... below the sequence's block count.
   trips = jnp.maximum(num_blocks - split + k_splits - 1, 0) // k_splits
-  o0 = jnp.zeros((rows, head_dim), jnp.float32)
-  m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
-  l0 = jnp.zeros((rows,), jnp.float32)
-  o, m, l = lax.fori_loop(0, trips, body, (o0, m0, l0))
-  split_k.store_partials(o_ref, l_ref, m_ref, o, l, m)  # the first Gr rows only
-
-
-def check_inputs(q, k_pages, v_pages, page_table, lengths):
-  """Shape checks of the dense decode contract; ValueError names the array and the shape."""
-  if q.ndim != 3:
-    raise ValueError(f"q.shape={q.shape}: expected [B, H, D]")
-  b, h, d = q.shape
-  if k_pages.ndim != 4 or k_pages.shape[-1] != d:
-    raise ValueError(f"k_pages.shape={k_pages.shape}: expected [K, P, S, D={d}]")
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
-  if v_pages.dtype != k_pages.dtype:
-    raise ValueError(f"v_pages.dtype={v_pages.dtype}: expected k_pages.dtype={k_pages.dtype}")
-  kvh = k_pages.shape[0]
-  if h % kvh:
-    raise ValueError(f"q has H={h} heads: expected a multiple of K={kvh} kv heads")
-  if page_table.ndim != 2 or page_table.shape[0] != b:
-    raise ValueError(f"page_table.shape={page_table.shape}: expected [B={b}, M]")
-  if lengths.shape != (b,):
-    raise ValueError(f"lengths.shape={lengths.shape}: expected ({b},)")
+  split_k.accumulate_blocks(body, trips, o_ref, l_ref, m_ref, rows=rows, head_dim=head_dim)
 
 
 def paged_decode_partials(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None,
@@ -169,39 +113,22 @@ def paged_decode_partials(q, k_pages, v_pages, page_table, lengths, *, sm_scale=
     o: [B, K, R, Gp, D] float32 unnormalised outputs; l, m: [B, K, R, Gp] float32 running
     sum and max per split.
   """
-  check_inputs(q, k_pages, v_pages, page_table, lengths)
-  config = PagedDecodeConfig() if config is None else config
-  if not isinstance(config, PagedDecodeConfig):
-    raise ValueError(f"config={config!r}: expected a PagedDecodeConfig")
-  b, h, d = q.shape
-  kvh, _, s, _ = k_pages.shape
-  ppb = config.pages_per_block
-  split_k.check_kernel_dims(d, s, ppb)
-  split_k.check_call_shapes(config, page_size=s, head_dim=d, dtype=k_pages.dtype)
-  if sm_scale is None:
-    sm_scale = d ** -0.5
-  # [B, K, Gp, D] in the cache dtype: the dots take one operand dtype.
-  q_rows = split_k.padded_queries(q.astype(k_pages.dtype), kvh)
-  rows = split_k.partial_rows(h // kvh)  # Gr rows of partials per split
+  check_decode_inputs(q, k_pages, v_pages, page_table, lengths)
+  call = split_k.prepare_call(config, PagedDecodeConfig, q, k_pages, v_pages, page_table,
+                             lengths, sm_scale)
+  b, kvh, d = q.shape[0], k_pages.shape[0], q.shape[2]
+  ppb = call.config.pages_per_block
   # The longest sequence has at most the table's M pages: no more splits than its blocks.
-  splits = split_k.num_splits(config.k_splits, batch=b, kv_heads=kvh,
+  splits = split_k.num_splits(call.config.k_splits, batch=b, kv_heads=kvh,
                               num_blocks=-(-page_table.shape[1] // ppb),
-                              resident_programs=config.resident_programs)
-
-  out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, rows, d)
-  in_specs = [
-      pl.BlockSpec((None, None, q_rows.shape[2], d), lambda i, j, r: (i, j, 0, 0)),  # q
-      pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
-      pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # v pool
-      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, r: (i, 0)),  # page table
-      pl.BlockSpec((None,), lambda i, j, r: (i,)),  # lengths
-  ]
-  args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32)]
-  kernel = functools.partial(_paged_decode_kernel, sm_scale=float(sm_scale),
+                              resident_programs=call.config.resident_programs)
+  out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, call.rows, d)
+  kernel = functools.partial(_paged_decode_kernel, sm_scale=call.sm_scale,
                              pages_per_block=ppb, k_splits=splits)
-  return split_k.launch(kernel, name="dense_paged_decode", grid=(b, kvh, splits), args=args,
-                        in_specs=in_specs, out_shape=out_shape, out_specs=out_specs,
-                        poison=poison, config=config, interpret=interpret)
+  return split_k.launch(kernel, name="dense_paged_decode", grid=(b, kvh, splits),
+                        args=call.args, in_specs=call.in_specs, out_shape=out_shape,
+                        out_specs=out_specs, poison=poison, config=call.config,
+                        interpret=interpret)
 
 
 def paged_decode(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None,
@@ -238,7 +165,7 @@ def dense_decode_xla(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None)
   Returns:
     [B, H, D] in q.dtype.
   """
-  check_inputs(q, k_pages, v_pages, page_table, lengths)
+  check_decode_inputs(q, k_pages, v_pages, page_table, lengths)
   b, h, d = q.shape
   kvh, _, s, _ = k_pages.shape
   g = h // kvh

@@ -19,6 +19,36 @@ import jax.numpy as jnp
 MASK_VALUE = 0.7 * float(jnp.finfo(jnp.float32).min)
 
 
+def check_decode_inputs(q, k_pages, v_pages, page_table, lengths, page_idx=None, valid=None):
+  """Shape checks of the paged decode contract every decode backend shares (dense: q, pools,
+  table, lengths; sparse: also the selection `page_idx` / `valid`); the ValueError names the
+  array and the shape it expected."""
+  if q.ndim != 3:
+    raise ValueError(f"q.shape={q.shape}: expected [B, H, D]")
+  b, h, d = q.shape
+  if k_pages.ndim != 4 or k_pages.shape[-1] != d:
+    raise ValueError(f"k_pages.shape={k_pages.shape}: expected [K, P, S, D={d}]")
+  if v_pages.shape != k_pages.shape:
+    raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
+  if v_pages.dtype != k_pages.dtype:
+    raise ValueError(f"v_pages.dtype={v_pages.dtype}: expected k_pages.dtype={k_pages.dtype}")
+  kvh = k_pages.shape[0]
+  if h % kvh:
+    raise ValueError(f"q has H={h} heads: expected a multiple of K={kvh} kv heads")
+  if page_table.ndim != 2 or page_table.shape[0] != b:
+    raise ValueError(f"page_table.shape={page_table.shape}: expected [B={b}, M]")
+  if lengths.shape != (b,):
+    raise ValueError(f"lengths.shape={lengths.shape}: expected ({b},)")
+  if page_idx is None and valid is None:
+    return
+  if page_idx is None or page_idx.ndim != 3 or page_idx.shape[:2] != (b, kvh):
+    shape = None if page_idx is None else page_idx.shape
+    raise ValueError(f"page_idx.shape={shape}: expected [B={b}, K={kvh}, N]")
+  if valid is None or valid.shape != page_idx.shape:
+    raise ValueError(f"valid.shape={None if valid is None else valid.shape}: expected "
+                     f"page_idx.shape={page_idx.shape}")
+
+
 def dense_decode_reference(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None):
   """Attention of one query token per sequence over all of its cached tokens.
 

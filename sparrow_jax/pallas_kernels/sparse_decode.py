@@ -36,40 +36,20 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from sparrow_jax.pallas_kernels import split_k
-from sparrow_jax.pallas_kernels.reference import MASK_VALUE
+from sparrow_jax.pallas_kernels.reference import check_decode_inputs
 from sparrow_jax.pallas_kernels.split_k import merge_partials
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SparseDecodeConfig:
-  """Static launch parameters of the sparse decode kernel.
+class SparseDecodeConfig(split_k.LaunchConfig):
+  """Static launch parameters of the sparse decode kernel (fields: `split_k.LaunchConfig`).
 
-  k_splits: splits of the selection slots (flash-decoding split-K); None sizes them to the
-    work (`split_k.num_splits`: whole waves of `resident_programs`, never more splits than
-    blocks of slots).
-  pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
-    (power of two, >= 16).
-  num_warps, num_stages: Triton launch parameters.
-  resident_programs: programs the GPU runs at once (SMs x resident blocks), the unit of a wave
-    for the sized split count.
-  page_size, head_dim, dtype: optional block shape the config is built for; when all three are
-    given, a block whose shared memory is over an H200's 227 KiB is refused here (a kernel
-    call always checks its own shapes).
+  The keys a split takes are blocks of the selection slots (never more splits than blocks of
+  slots); 4 pages per block by default.
   """
-  k_splits: int | None = None
   pages_per_block: int = 4
-  num_warps: int = 4
-  num_stages: int = 2
-  resident_programs: int = split_k.RESIDENT_PROGRAMS
-  page_size: int | None = None
-  head_dim: int | None = None
-  dtype: str | None = None
-
-  def __post_init__(self):
-    split_k.check_launch_config(self)
 
   def slot_multiple(self) -> int:
     """Number of slots the selection is padded to a multiple of (whole compute blocks)."""
@@ -99,55 +79,20 @@ def _sparse_decode_kernel(
   q = q_ref[...]  # [Gp, D]
 
   def body(t, carry):
-    o_prev, m_prev, l_prev = carry  # [Gp, D], [Gp], [Gp] float32
     start = (t * k_splits + split) * pages_per_block
     logical = page_idx_ref[pl.ds(start, pages_per_block)]  # [ppb] int32
     slot_ok = valid_ref[pl.ds(start, pages_per_block)] != 0  # [ppb]
     phys = page_table_ref[logical]  # [ppb] physical page ids
     k = k_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
     v = v_ref[phys].reshape(block_k, head_dim)  # [ppb*S, D]
-    logits = plgpu.dot(q, k, trans_b=True,
-                       precision=split_k.DOT_PRECISION) * sm_scale  # [Gp, ppb*S] f32
     pos = logical[:, None] * page_size + lax.broadcasted_iota(
         jnp.int32, (pages_per_block, page_size), 1)  # [ppb, S] token positions
     tok_ok = (slot_ok[:, None] & (pos < length)).reshape(1, block_k)  # [1, ppb*S]
-    logits = jnp.where(tok_ok, logits, MASK_VALUE)
-    m_next = jnp.maximum(m_prev, logits.max(axis=-1))  # [Gp]
-    corr = jnp.exp(m_prev - m_next)  # [Gp]
-    p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, ppb*S]
-    l_next = corr * l_prev + p.sum(axis=-1)
-    pv = plgpu.dot(p.astype(v.dtype), v, precision=split_k.DOT_PRECISION)  # [Gp, D] f32
-    o_next = corr[:, None] * o_prev + pv
-    return o_next, m_next, l_next
+    return split_k.online_softmax_block(carry, q, k, v, tok_ok, sm_scale)
 
   # Blocks of this split: split, split + k_splits, ... below the active block count.
   trips = jnp.maximum(active_ref[()] - split + k_splits - 1, 0) // k_splits
-  o0 = jnp.zeros((rows, head_dim), jnp.float32)
-  m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
-  l0 = jnp.zeros((rows,), jnp.float32)
-  o, m, l = lax.fori_loop(0, trips, body, (o0, m0, l0))
-  split_k.store_partials(o_ref, l_ref, m_ref, o, l, m)  # the first Gr rows only
-
-
-def _check_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid):
-  if q.ndim != 3:
-    raise ValueError(f"q.shape={q.shape}: expected [B, H, D]")
-  b, h, d = q.shape
-  if k_pages.ndim != 4 or k_pages.shape[-1] != d:
-    raise ValueError(f"k_pages.shape={k_pages.shape}: expected [K, P, S, D={d}]")
-  if v_pages.shape != k_pages.shape:
-    raise ValueError(f"v_pages.shape={v_pages.shape}: expected k_pages.shape={k_pages.shape}")
-  kvh, _, s, _ = k_pages.shape
-  if h % kvh:
-    raise ValueError(f"q has H={h} heads: expected a multiple of K={kvh} kv heads")
-  if page_table.ndim != 2 or page_table.shape[0] != b:
-    raise ValueError(f"page_table.shape={page_table.shape}: expected [B={b}, M]")
-  if lengths.shape != (b,):
-    raise ValueError(f"lengths.shape={lengths.shape}: expected ({b},)")
-  if page_idx.ndim != 3 or page_idx.shape[:2] != (b, kvh):
-    raise ValueError(f"page_idx.shape={page_idx.shape}: expected [B={b}, K={kvh}, N]")
-  if valid.shape != page_idx.shape:
-    raise ValueError(f"valid.shape={valid.shape}: expected page_idx.shape={page_idx.shape}")
+  split_k.accumulate_blocks(body, trips, o_ref, l_ref, m_ref, rows=rows, head_dim=head_dim)
 
 
 def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *,
@@ -162,26 +107,18 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
     o: [B, K, R, Gp, D] float32 unnormalised outputs; l, m: [B, K, R, Gp] float32 running
     sum and max per split.
   """
-  _check_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid)
-  config = SparseDecodeConfig() if config is None else config
-  if not isinstance(config, SparseDecodeConfig):
-    raise ValueError(f"config={config!r}: expected a SparseDecodeConfig")
-  b, h, d = q.shape
-  kvh, _, s, _ = k_pages.shape
-  ppb = config.pages_per_block
-  split_k.check_kernel_dims(d, s, ppb)
-  split_k.check_call_shapes(config, page_size=s, head_dim=d, dtype=k_pages.dtype)
-  if sm_scale is None:
-    sm_scale = d ** -0.5
-  # [B, K, Gp, D] in the cache dtype (the dots take one operand dtype), GQA group padded.
-  q_rows = split_k.padded_queries(q.astype(k_pages.dtype), kvh)
-  rows = split_k.partial_rows(h // kvh)  # Gr rows of partials per split
+  check_decode_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid)
+  call = split_k.prepare_call(config, SparseDecodeConfig, q, k_pages, v_pages, page_table,
+                             lengths, sm_scale)
+  b, kvh, d = q.shape[0], k_pages.shape[0], q.shape[2]
+  ppb = call.config.pages_per_block
 
   # Pad the slots to whole blocks; padded slots are invalid and hold page 0.
   n = page_idx.shape[-1]
   n_pad = -(-n // ppb) * ppb
-  splits = split_k.num_splits(config.k_splits, batch=b, kv_heads=kvh, num_blocks=n_pad // ppb,
-                              resident_programs=config.resident_programs)
+  splits = split_k.num_splits(call.config.k_splits, batch=b, kv_heads=kvh,
+                              num_blocks=n_pad // ppb,
+                              resident_programs=call.config.resident_programs)
   valid = valid.astype(jnp.int32)
   page_idx = page_idx.astype(jnp.int32)
   if n_pad != n:
@@ -191,24 +128,18 @@ def sparse_decode_partials(q, k_pages, v_pages, page_table, lengths, page_idx, v
   last = jnp.max(valid * (jnp.arange(n_pad, dtype=jnp.int32) + 1), axis=-1)  # [B, K]
   active = (last + ppb - 1) // ppb  # [B, K]
 
-  out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, rows, d)
-  in_specs = [
-      pl.BlockSpec((None, None, q_rows.shape[2], d), lambda i, j, r: (i, j, 0, 0)),  # q
-      pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
-      pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # v pool
-      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, r: (i, 0)),  # page table
-      pl.BlockSpec((None,), lambda i, j, r: (i,)),  # lengths
+  out_shape, out_specs = split_k.partial_outputs(b, kvh, splits, call.rows, d)
+  in_specs = call.in_specs + [
       pl.BlockSpec((None, None, n_pad), lambda i, j, r: (i, j, 0)),  # page_idx
       pl.BlockSpec((None, None, n_pad), lambda i, j, r: (i, j, 0)),  # valid
       pl.BlockSpec((None, None), lambda i, j, r: (i, j)),  # active blocks
   ]
-  args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32),
-          lengths.astype(jnp.int32), page_idx, valid, active]
-  kernel = functools.partial(_sparse_decode_kernel, sm_scale=float(sm_scale),
+  args = call.args + [page_idx, valid, active]
+  kernel = functools.partial(_sparse_decode_kernel, sm_scale=call.sm_scale,
                              pages_per_block=ppb, k_splits=splits)
   return split_k.launch(kernel, name="sparse_paged_decode", grid=(b, kvh, splits), args=args,
                         in_specs=in_specs, out_shape=out_shape, out_specs=out_specs,
-                        poison=poison, config=config, interpret=interpret)
+                        poison=poison, config=call.config, interpret=interpret)
 
 
 def sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *, sm_scale=None,

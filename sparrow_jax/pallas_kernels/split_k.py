@@ -31,12 +31,16 @@ rows, R = k_splits, D head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+
+from sparrow_jax.pallas_kernels.reference import MASK_VALUE
 
 MIN_DOT = 16  # Triton dot needs M, N, K >= 16
 # The kernels' dots do not follow `jax_default_matmul_precision`: with "highest" a float32 dot
@@ -113,6 +117,35 @@ def check_launch_config(config) -> None:
       raise ValueError(f"{cls}.dtype={shape['dtype']!r}: expected a dtype name") from None
   if all(v is not None for v in shape.values()):
     check_shared_memory(config, **shape)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+  """Static launch parameters shared by the split-K Triton decode kernels (each kernel has its
+  own subclass, so a config cannot be handed to the other kernel).
+
+  k_splits: splits of the keys (flash-decoding split-K); None sizes them to the work
+    (`num_splits`: whole waves of `resident_programs`, never more splits than key blocks).
+  pages_per_block: pages per compute block; pages_per_block * page_size key rows per dot
+    (a power of two, >= 16).
+  num_warps, num_stages: Triton launch parameters.
+  resident_programs: programs the GPU runs at once (SMs x resident blocks), the unit of a wave
+    for the sized split count.
+  page_size, head_dim, dtype: optional block shape the config is built for; when all three are
+    given, a block whose shared memory is over an H200's 227 KiB is refused here (a kernel
+    call always checks its own shapes).
+  """
+  k_splits: int | None = None
+  pages_per_block: int = 8
+  num_warps: int = 4
+  num_stages: int = 2
+  resident_programs: int = RESIDENT_PROGRAMS
+  page_size: int | None = None
+  head_dim: int | None = None
+  dtype: str | None = None
+
+  def __post_init__(self):
+    check_launch_config(self)
 
 
 def check_call_shapes(config, *, page_size: int, head_dim: int, dtype) -> None:
@@ -192,12 +225,75 @@ def first_rows(x, rows: int):
   return x.reshape(gp // rows, rows, *x.shape[1:]).sum(axis=0)
 
 
+def online_softmax_block(carry, q, k, v, tok_ok, sm_scale: float):
+  """One key block of a Triton kernel's flash-decoding loop: the Gp query rows `q [Gp, D]`
+  scored against the block's keys `k [block, D]` (MASK_VALUE where `tok_ok [1, block]` is
+  false), the running max and sum rescaled, the masked probabilities times `v [block, D]` added,
+  all in float32. `carry` = (o [Gp, D], m [Gp], l [Gp]); returns the next carry."""
+  from jax.experimental.pallas import triton as plgpu
+  o_prev, m_prev, l_prev = carry
+  logits = plgpu.dot(q, k, trans_b=True, precision=DOT_PRECISION) * sm_scale  # [Gp, block]
+  logits = jnp.where(tok_ok, logits, MASK_VALUE)
+  m_next = jnp.maximum(m_prev, logits.max(axis=-1))  # [Gp]
+  corr = jnp.exp(m_prev - m_next)  # [Gp]
+  p = jnp.where(tok_ok, jnp.exp(logits - m_next[:, None]), 0.0)  # [Gp, block]
+  l_next = corr * l_prev + p.sum(axis=-1)
+  pv = plgpu.dot(p.astype(v.dtype), v, precision=DOT_PRECISION)  # [Gp, D] float32
+  return corr[:, None] * o_prev + pv, m_next, l_next
+
+
+def accumulate_blocks(block, trips, o_ref, l_ref, m_ref, *, rows: int, head_dim: int):
+  """Runs `block(t, carry)` (one `online_softmax_block` step) for t < trips from the empty
+  state and stores the split's partials (`store_partials`)."""
+  o0 = jnp.zeros((rows, head_dim), jnp.float32)
+  m0 = jnp.full((rows,), MASK_VALUE, jnp.float32)
+  l0 = jnp.zeros((rows,), jnp.float32)
+  o, m, l = lax.fori_loop(0, trips, block, (o0, m0, l0))
+  store_partials(o_ref, l_ref, m_ref, o, l, m)  # the first Gr rows only
+
+
 def store_partials(o_ref, l_ref, m_ref, o, l, m):
   """Writes the first Gr rows (the output refs' row count) of the split's o, l, m."""
   rows = o_ref.shape[0]
   o_ref[...] = first_rows(o, rows)
   l_ref[...] = first_rows(l, rows)
   m_ref[...] = first_rows(m, rows)
+
+
+class KernelCall(NamedTuple):
+  """What `prepare_call` settles for a kernel call."""
+  config: LaunchConfig
+  sm_scale: float
+  rows: int  # Gr rows of partials per split
+  args: list  # q rows [B, K, Gp, D] in the cache dtype, k/v pools, int32 table and lengths
+  in_specs: list  # their block specs on the (B, K, splits) grid
+
+
+def prepare_call(config, config_cls, q, k_pages, v_pages, page_table, lengths,
+                 sm_scale) -> KernelCall:
+  """The common start of a split-K kernel call (inputs already checked): the config (default
+  `config_cls()`; another class is refused), the kernel's block dims and shared memory at the
+  call's shapes, the softmax scale (default 1/sqrt(D)), and the five inputs both kernels read
+  first with their block specs."""
+  config = config_cls() if config is None else config
+  if not isinstance(config, config_cls):
+    raise ValueError(f"config={config!r}: expected a {config_cls.__name__}")
+  _, h, d = q.shape
+  kvh, _, s, _ = k_pages.shape
+  check_kernel_dims(d, s, config.pages_per_block)
+  check_call_shapes(config, page_size=s, head_dim=d, dtype=k_pages.dtype)
+  # [B, K, Gp, D] in the cache dtype (the dots take one operand dtype), GQA group padded.
+  q_rows = padded_queries(q.astype(k_pages.dtype), kvh)
+  in_specs = [
+      pl.BlockSpec((None, None, q_rows.shape[2], d), lambda i, j, r: (i, j, 0, 0)),  # q
+      pl.BlockSpec((None, *k_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # k pool
+      pl.BlockSpec((None, *v_pages.shape[1:]), lambda i, j, r: (j, 0, 0, 0)),  # v pool
+      pl.BlockSpec((None, page_table.shape[1]), lambda i, j, r: (i, 0)),  # page table
+      pl.BlockSpec((None,), lambda i, j, r: (i,)),  # lengths
+  ]
+  args = [q_rows, k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32)]
+  return KernelCall(config, float(d ** -0.5 if sm_scale is None else sm_scale),
+                    partial_rows(h // kvh), args, in_specs)
 
 
 def partial_outputs(b: int, kv_heads: int, splits: int, rows: int, d: int):

@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparrow_jax.pallas_kernels.reference import MASK_VALUE
+from sparrow_jax.pallas_kernels.reference import MASK_VALUE, check_decode_inputs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -154,28 +154,6 @@ def _sparse_kernel(
   o_ref[...] = jnp.where(l > 0, o / jnp.where(l > 0, l, 1.0), 0.0)
 
 
-def _check_sparse_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid):
-  if q.ndim != 3:
-    raise ValueError(f"q.shape={q.shape}: expected [B, H, D]")
-  b, h, d = q.shape
-  if k_pages.ndim != 4 or k_pages.shape[-1] != d:
-    raise ValueError(f"k_pages.shape={k_pages.shape}: expected [K, P, S, D={d}]")
-  if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
-    raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype}: expected k_pages' "
-                     f"{k_pages.shape} {k_pages.dtype}")
-  kvh = k_pages.shape[0]
-  if h % kvh:
-    raise ValueError(f"q has H={h} heads: expected a multiple of K={kvh} kv heads")
-  if page_table.ndim != 2 or page_table.shape[0] != b:
-    raise ValueError(f"page_table.shape={page_table.shape}: expected [B={b}, M]")
-  if lengths.shape != (b,):
-    raise ValueError(f"lengths.shape={lengths.shape}: expected ({b},)")
-  if page_idx.ndim != 3 or page_idx.shape[:2] != (b, kvh):
-    raise ValueError(f"page_idx.shape={page_idx.shape}: expected [B={b}, K={kvh}, N]")
-  if valid.shape != page_idx.shape:
-    raise ValueError(f"valid.shape={valid.shape}: expected page_idx.shape={page_idx.shape}")
-
-
 def _config(config) -> TpuDecodeConfig:
   config = TpuDecodeConfig() if config is None else config
   if not isinstance(config, TpuDecodeConfig):
@@ -201,7 +179,7 @@ def sparse_decode_tpu(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
   Returns:
     [B, H, D] in q.dtype.
   """
-  _check_sparse_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid)
+  check_decode_inputs(q, k_pages, v_pages, page_table, lengths, page_idx, valid)
   config = _config(config)
   b, h, d = q.shape
   kvh, _, s, _ = k_pages.shape
@@ -263,8 +241,7 @@ def dense_decode_tpu(q, k_pages, v_pages, page_table, lengths, *, sm_scale=None,
   """
   from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
 
-  from sparrow_jax.pallas_kernels.paged_decode import check_inputs
-  check_inputs(q, k_pages, v_pages, page_table, lengths)
+  check_decode_inputs(q, k_pages, v_pages, page_table, lengths)
   config = _config(config)
   b, _, d = q.shape
   kvh, _, s, _ = k_pages.shape
