@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.pallas_kernels import dispatch
+from sparrow_jax.pallas_kernels import paged_decode as pd
 from sparrow_jax.pallas_kernels import reference
 from sparrow_jax.pallas_kernels import selection
 from sparrow_jax.pallas_kernels import sparse_decode as sd
@@ -283,3 +284,12 @@ def test_input_validation():
     sd.sparse_decode(*case, page_idx, valid[..., :3], interpret=True)
   with pytest.raises(ValueError, match="lengths.shape"):
     sd.sparse_decode(*case[:4], case[4][:2], page_idx, valid, interpret=True)
+  # The two kernels' configs share their fields (split_k.LaunchConfig) but not their class.
+  assert sd.SparseDecodeConfig().pages_per_block == 4
+  assert pd.PagedDecodeConfig().pages_per_block == 8
+  with pytest.raises(ValueError, match="expected a SparseDecodeConfig"):
+    sd.sparse_decode(*case, page_idx, valid, interpret=True,
+                     config=pd.PagedDecodeConfig(pages_per_block=4))
+  with pytest.raises(ValueError, match="v_pages.dtype"):
+    sd.sparse_decode(*case[:2], case[2].astype(jnp.bfloat16), *case[3:], page_idx, valid,
+                     interpret=True)
