@@ -290,6 +290,9 @@ def run_arm(arm: str, seed: int, args) -> dict:
          f"heldout_pass{args.k}_before": before[f"eval/pass@{args.k}"],
          f"heldout_pass{args.k}_after": after[f"eval/pass@{args.k}"],
          "heldout_samples": before.get("eval/samples"), "train_wall_s_this_call": train_s}
+  if cfg.schedule.endswith(".json"):  # which schedule it was, should the file move
+    with open(cfg.schedule) as f:
+      res["schedule_budgets"] = json.load(f).get("budgets")
   if arm != "dense":
     mode = "sparse_lora" if cfg.distill else "sparse"
     sp = _eval(args, ["--checkpoint", run_dir], f"{tag}_eval_{mode}.json", mode, log)
@@ -329,13 +332,22 @@ def _sched_name(schedule: str) -> str:
   return os.path.basename(schedule) if schedule.endswith(".json") else schedule
 
 
+def _sched_group(schedule: str) -> str:
+  """The summary's schedule key: a spec (`dense`, `constant:2`) as is; every JSON schedule as
+  one key, because in this study a JSON schedule is the tau arm's calibration, which may be
+  read from its run directory (`RUNS/calib/schedule.json`) or from the committed copy
+  (`--tau-schedule docs/figures/sparse_rl_study/tau_schedule.json`). The per-run table keeps
+  each file's name, and a result records the JSON's budgets (`schedule_budgets`)."""
+  return "<json>" if schedule.endswith(".json") else schedule
+
+
 def arm_summary(rows: list[dict], k: int) -> list[str]:
   """One line per arm and schedule over its seeds: held-out avg@k after as mean (min-max) and
   the spread max - min (what says whether arms separate), pass@k, the sparse actor's own
   avg@k and the exact p5 (both means over seeds; '-' where no seed has them)."""
   groups: dict[tuple, list[dict]] = {}
   for r in rows:
-    groups.setdefault((r["arm"], _sched_name(r["schedule"])), []).append(r)
+    groups.setdefault((r["arm"], _sched_group(r["schedule"])), []).append(r)
   fmt = lambda v: "-" if v is None else f"{v:.3f}"
   out = [f"| arm | schedule | seeds | held-out avg@{k} after: mean (min-max) | spread | "
          f"pass@{k} after, mean | sparse actor's own avg@{k}, mean | exact p5 mean, mean | "
@@ -350,7 +362,8 @@ def arm_summary(rows: list[dict], k: int) -> list[str]:
     steps = sum(len(r["steps"]) for r in rs)
     measured = any(r.get("p5_exact_mean") is not None for r in rs)  # dense arms have none
     below_s = f"{below} of {steps}" if measured else "-"
-    out.append(f"| {key[0]} | {key[1]} | {', '.join(str(r['seed']) for r in rs)} | "
+    names = ", ".join(sorted({_sched_name(r["schedule"]) for r in rs}))
+    out.append(f"| {key[0]} | {names} | {', '.join(str(r['seed']) for r in rs)} | "
                f"{fmt(_mean(after))} ({fmt(min(after))}-{fmt(max(after))}) | "
                f"{fmt(max(after) - min(after))} | "
                f"{fmt(_mean(r[f'heldout_pass{k}_after'] for r in rs))} | {fmt(own)} | "

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import experiments.sparse_rl_study as study
-from sparrow_jax.run.builders import build_examples
+from sparrow_jax.run.builders import build_examples, build_schedule
 from sparrow_jax.run.config import get_train_config
 
 KEYS = ["warmstart_steps=0", "prompts_per_step=2", "group_size=2", "num_slots=8",
@@ -55,7 +55,11 @@ def test_calibration_command_is_one_calibrate_py_accepts(tmp_path):
 @pytest.mark.slow
 def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   runs, out = tmp_path / "runs", tmp_path / "out"
-  common = ["--preset", "tiny", "--arms", "aggressive_distill", "--aggressive", "constant:1",
+  # The arm's schedule as a JSON file (what the tau arm's calibration is): `constant:1` for
+  # this preset's pages, written by the library, so the result records its budgets.
+  sched = tmp_path / "sched.json"
+  build_schedule(get_train_config("tiny", KEYS), "constant:1").to_json(sched)
+  common = ["--preset", "tiny", "--arms", "aggressive_distill", "--aggressive", str(sched),
             "--seeds", "0", "--k", "2", "--heldout", "8", "--train-problems", "20",
             "--runs", str(runs), "--out", str(out), *KEYS]
   assert study.main(common + ["--steps", "1", "--train-only"]) == 0
@@ -68,12 +72,13 @@ def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
     assert study.main(common + ["--steps", "2", "--train-only"]) == 0
   (argv,) = calls
   assert argv[0].endswith("train.py") and "--resume" in argv and "num_steps=2" in argv
-  assert "schedule=constant:1" in argv and "distill=true" in argv and "seed=0" in argv
+  assert f"schedule={sched}" in argv and "distill=true" in argv and "seed=0" in argv
   assert f"data={runs / 'train.jsonl'}" in argv  # every arm trains on the fixed split
   assert study.main(common + ["--steps", "1"]) == 0  # trained already: scores only
   res = json.load(open(out / "aggressive_distill_s0.json"))
   assert res["steps"] == [1] and res["arm"] == "aggressive_distill" and res["seed"] == 0
-  assert res["schedule"] == "constant:1" and res["distill"] is True
+  assert res["schedule"] == str(sched) and res["distill"] is True
+  assert res["schedule_budgets"] == json.load(open(sched))["budgets"] and res["schedule_budgets"]
   for key in ("heldout_avg2_before", "heldout_avg2_after", "heldout_pass2_after"):
     assert 0.0 <= res[key] <= 1.0, key
   assert sorted(p.name for p in runs.glob("*_eval*.json")) == [  # keyed by the policy's step
@@ -95,7 +100,7 @@ def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   (out / "tau_schedule.json").write_text('{"format": "a schedule, not an arm"}')  # skipped
   assert study.main(["--report", "--out", str(out), "--k", "2", "--report-md", str(md)]) == 0
   table = md.read_text()
-  assert "| aggressive_distill | 0 | 1 | constant:1 |" in table, table
+  assert "| aggressive_distill | 0 | 1 | sched.json |" in table, table
   assert "KL(q, pi), mean |" in table and (out / "p5_bins.png").exists()
   # Bad arguments fail before any work.
   assert study.main(common + ["--arms", "tau"]) == 2
@@ -114,14 +119,17 @@ def test_arm_summary_groups_seeds_by_arm_and_schedule():
           row("dense", 0, 0.7, sched="dense"), row("dense", 1, 0.6, sched="dense"),
           row("aggressive", 0, 0.8, p5=0.5, below=2, own=0.6),
           row("aggressive", 2, 0.6, sched="constant:8", p5=0.9, below=0, own=0.55),
-          row("tau", 0, 0.65, sched="/x/runs/calib/schedule.json", p5=0.93, below=1)]
+          row("tau", 0, 0.65, sched="/x/runs/calib/schedule.json", p5=0.93, below=1),
+          # the same calibration read from the committed copy: one tau line, both names
+          row("tau", 1, 0.75, sched="docs/figures/tau_schedule.json", p5=0.91, below=2)]
   lines = study.arm_summary(rows, 4)
   assert len(lines) == 2 + 4, lines  # dense, tau, aggressive x 2 schedules
   body = lines[2:]
   assert body[0] == ("| dense | dense | 0, 1 | 0.650 (0.600-0.700) | 0.100 | 0.750 | - | - "
                      "| - |")
-  assert body[1].startswith("| tau | schedule.json | 0 | 0.650 (0.650-0.650) | 0.000 |")
-  assert body[1].endswith("| 0.930 | 1 of 3 |")
+  assert body[1].startswith("| tau | schedule.json, tau_schedule.json | 0, 1 | "
+                            "0.700 (0.650-0.750) | 0.100 |"), body[1]
+  assert body[1].endswith("| 0.920 | 3 of 6 |")
   # seeds sorted, means over seeds, tau misses summed over every seed's steps
   assert body[2] == ("| aggressive | constant:2 | 0, 1 | 0.650 (0.500-0.800) | 0.300 | 0.750 "
                      "| 0.500 | 0.400 | 5 of 6 |")
