@@ -291,8 +291,8 @@ def run_arm(arm: str, seed: int, args) -> dict:
          f"heldout_pass{args.k}_after": after[f"eval/pass@{args.k}"],
          "heldout_samples": before.get("eval/samples"), "train_wall_s_this_call": train_s}
   if cfg.schedule.endswith(".json"):  # which schedule it was, should the file move
-    with open(cfg.schedule) as f:
-      res["schedule_budgets"] = json.load(f).get("budgets")
+    from sparrow_jax.run.builders import build_schedule  # parsed as train.py parses it
+    res["schedule_budgets"] = list(build_schedule(cfg).budgets)
   if arm != "dense":
     mode = "sparse_lora" if cfg.distill else "sparse"
     sp = _eval(args, ["--checkpoint", run_dir], f"{tag}_eval_{mode}.json", mode, log)
