@@ -39,6 +39,7 @@ tiny preset in minutes (what the test does).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -371,6 +372,55 @@ def arm_summary(rows: list[dict], k: int) -> list[str]:
   return out
 
 
+def permutation_p(a: list[float], b: list[float]) -> tuple[float, float]:
+  """Exact permutation test of mean(a) - mean(b) over every way to split the pooled scores
+  into groups of len(a) and len(b): (one-sided p of a difference at least the observed one,
+  two-sided p of an |difference| at least the observed one). Ties count as extreme, so the
+  p-values are never below 1 / C(n, len(a)); 3 vs 3 seeds cannot give less than 1/20."""
+  if not a or not b:
+    raise ValueError(f"permutation_p: both groups need scores (got {len(a)} and {len(b)})")
+  pool, n = list(a) + list(b), len(a)
+  total = sum(pool)
+  diff = lambda s: s / n - (total - s) / len(b)
+  observed = diff(sum(a))
+  eps = 1e-12 * max(1.0, max(abs(x) for x in pool))
+  splits = [diff(sum(pool[i] for i in idx))
+            for idx in itertools.combinations(range(len(pool)), n)]
+  one = sum(d >= observed - eps for d in splits) / len(splits)
+  two = sum(abs(d) >= abs(observed) - eps for d in splits) / len(splits)
+  return one, two
+
+
+def vs_dense(rows: list[dict], k: int) -> list[str]:
+  """Each arm and schedule against the dense arm: the per-seed differences of held-out avg@k
+  where both ran the seed (same seed = same data order), and the exact permutation test of
+  the difference of their means over all their seeds. Empty without dense seeds."""
+  dense = {r["seed"]: r[f"heldout_avg{k}_after"] for r in rows if r["arm"] == "dense"}
+  if not dense:
+    return []
+  groups: dict[tuple, list[dict]] = {}
+  for r in rows:
+    if r["arm"] != "dense":
+      groups.setdefault((r["arm"], _sched_group(r["schedule"])), []).append(r)
+  out = [f"| arm | schedule | seeds | avg@{k} minus dense's, same seed: mean (min-max) | seeds "
+         "above dense's same seed | mean minus dense's mean (all seeds) | permutation p, "
+         "one-sided / two-sided |",
+         "|---|---|---|---|---|---|---|"]
+  for key in sorted(groups, key=lambda key: (_arm_rank(key[0]), key)):
+    rs = sorted(groups[key], key=lambda r: r["seed"])
+    after = [r[f"heldout_avg{k}_after"] for r in rs]
+    paired = [r[f"heldout_avg{k}_after"] - dense[r["seed"]] for r in rs if r["seed"] in dense]
+    pair_s = (f"{statistics.fmean(paired):+.3f} ({min(paired):+.3f} to {max(paired):+.3f})"
+              if paired else "-")
+    above = f"{sum(d > 0 for d in paired)} of {len(paired)}" if paired else "-"
+    one, two = permutation_p(after, list(dense.values()))
+    names = ", ".join(sorted({_sched_name(r["schedule"]) for r in rs}))
+    out.append(f"| {key[0]} | {names} | {', '.join(str(r['seed']) for r in rs)} | {pair_s} | "
+               f"{above} | {statistics.fmean(after) - statistics.fmean(dense.values()):+.3f} | "
+               f"{one:.3f} / {two:.3f} |")
+  return out
+
+
 def report(args) -> int:
   """docs/sparse_rl_study.md's table (and the figures) from every JSON under OUT."""
   files = sorted(f for f in os.listdir(args.out) if f.endswith(".json")) if os.path.isdir(
@@ -399,6 +449,9 @@ def report(args) -> int:
                  f"{fmt(r['p5_bound_min'])} | {fmt(r.get('p5_bound_exact_rows_mean'))} | "
                  f"{fmt(r.get('tis_frac_above_cap_mean'), 4)} | {fmt(r.get('tis_kl_mean'), 4)} |")
   table = "\n".join(lines) + "\n\n" + "\n".join(arm_summary(rows, k)) + "\n"
+  versus = vs_dense(rows, k)
+  if versus:
+    table += "\n" + "\n".join(versus) + "\n"
   fig = _figures(rows, args.out)
   print(table)
   if args.report_md:

@@ -2,7 +2,9 @@
 in a subprocess, is resumed with the same keys, is scored on a held-out set disjoint from
 training, and its JSON carries what issue 20 asks for; --report turns the JSONs into the table."""
 
+import itertools
 import json
+import numpy as np
 import pytest
 
 import experiments.sparse_rl_study as study
@@ -134,3 +136,40 @@ def test_arm_summary_groups_seeds_by_arm_and_schedule():
   assert body[2] == ("| aggressive | constant:2 | 0, 1 | 0.650 (0.500-0.800) | 0.300 | 0.750 "
                      "| 0.500 | 0.400 | 5 of 6 |")
   assert body[3].startswith("| aggressive | constant:8 | 2 | 0.600 (0.600-0.600) |")
+
+
+def test_permutation_p_is_exact_and_counts_ties():
+  # 3 vs 3, every score of a above every score of b: 1 of C(6, 3) = 20 splits is as extreme
+  one, two = study.permutation_p([0.70, 0.71, 0.72], [0.60, 0.62, 0.64])
+  assert (one, two) == (1 / 20, 2 / 20)
+  # the reverse direction: every split's difference is at least the observed (lowest) one
+  assert study.permutation_p([0.60, 0.62, 0.64], [0.70, 0.71, 0.72]) == (1.0, 2 / 20)
+  # float64 brute force on an unbalanced case with a tie
+  a, b = [0.5, 0.7], [0.5, 0.6, 0.4]
+  pool, obs = a + b, np.mean(a) - np.mean(b)
+  d = [np.mean([pool[i] for i in c]) - np.mean([pool[i] for i in range(5) if i not in c])
+       for c in itertools.combinations(range(5), 2)]
+  one, two = study.permutation_p(a, b)
+  assert one == pytest.approx(np.mean([x >= obs - 1e-12 for x in d]))
+  assert two == pytest.approx(np.mean([abs(x) >= abs(obs) - 1e-12 for x in d]))
+  with pytest.raises(ValueError, match="both groups"):
+    study.permutation_p([], [0.5])
+
+
+def test_vs_dense_pairs_seeds_and_tests_all_of_them():
+  row = lambda arm, seed, after, sched: {"arm": arm, "seed": seed, "schedule": sched,
+                                        "heldout_avg4_after": after}
+  rows = [row("dense", 0, 0.60, "dense"), row("dense", 1, 0.64, "dense"),
+          row("dense", 2, 0.62, "dense"),
+          row("tau", 0, 0.70, "a/schedule.json"), row("tau", 2, 0.72, "b/tau_schedule.json"),
+          row("tau", 1, 0.71, "b/tau_schedule.json"),
+          row("aggressive", 1, 0.50, "constant:2"), row("aggressive", 3, 0.66, "constant:2")]
+  lines = study.vs_dense(rows, 4)
+  assert len(lines) == 2 + 2, lines
+  # tau: seeds 0-2 pair with dense's 0-2 (+0.10, +0.07, +0.10); 3 vs 3 all above: p 1/20
+  assert lines[2] == ("| tau | schedule.json, tau_schedule.json | 0, 1, 2 | +0.090 (+0.070 to "
+                      "+0.100) | 3 of 3 | +0.090 | 0.050 / 0.100 |"), lines[2]
+  # aggressive: only seed 1 has a dense run of the same seed; the test uses both seeds
+  assert lines[3].startswith("| aggressive | constant:2 | 1, 3 | -0.140 (-0.140 to -0.140) "
+                             "| 0 of 1 | -0.040 | "), lines[3]
+  assert study.vs_dense([r for r in rows if r["arm"] != "dense"], 4) == []
