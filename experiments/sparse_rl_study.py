@@ -342,20 +342,28 @@ def _sched_group(schedule: str) -> str:
   return "<json>" if schedule.endswith(".json") else schedule
 
 
+def _arm_groups(rows: list[dict]) -> list[tuple[tuple, list[dict], str]]:
+  """(arm, schedule group), its rows by seed, and its schedules' names, in table order."""
+  groups: dict[tuple, list[dict]] = {}
+  for r in rows:
+    groups.setdefault((r["arm"], _sched_group(r["schedule"])), []).append(r)
+  out = []
+  for key in sorted(groups, key=lambda key: (_arm_rank(key[0]), key)):
+    rs = sorted(groups[key], key=lambda r: r["seed"])
+    out.append((key, rs, ", ".join(sorted({_sched_name(r["schedule"]) for r in rs}))))
+  return out
+
+
 def arm_summary(rows: list[dict], k: int) -> list[str]:
   """One line per arm and schedule over its seeds: held-out avg@k after as mean (min-max) and
   the spread max - min (what says whether arms separate), pass@k, the sparse actor's own
   avg@k and the exact p5 (both means over seeds; '-' where no seed has them)."""
-  groups: dict[tuple, list[dict]] = {}
-  for r in rows:
-    groups.setdefault((r["arm"], _sched_group(r["schedule"])), []).append(r)
   fmt = lambda v: "-" if v is None else f"{v:.3f}"
   out = [f"| arm | schedule | seeds | held-out avg@{k} after: mean (min-max) | spread | "
          f"pass@{k} after, mean | sparse actor's own avg@{k}, mean | exact p5 mean, mean | "
          "steps with exact p5 < tau |",
          "|---|---|---|---|---|---|---|---|---|"]
-  for key in sorted(groups, key=lambda key: (_arm_rank(key[0]), key)):
-    rs = sorted(groups[key], key=lambda r: r["seed"])
+  for key, rs, names in _arm_groups(rows):
     after = [r[f"heldout_avg{k}_after"] for r in rs]
     own = _mean(r.get(f"heldout_avg{k}_after_sparse_lora", r.get(f"heldout_avg{k}_after_sparse"))
                 for r in rs)
@@ -363,7 +371,6 @@ def arm_summary(rows: list[dict], k: int) -> list[str]:
     steps = sum(len(r["steps"]) for r in rs)
     measured = any(r.get("p5_exact_mean") is not None for r in rs)  # dense arms have none
     below_s = f"{below} of {steps}" if measured else "-"
-    names = ", ".join(sorted({_sched_name(r["schedule"]) for r in rs}))
     out.append(f"| {key[0]} | {names} | {', '.join(str(r['seed']) for r in rs)} | "
                f"{fmt(_mean(after))} ({fmt(min(after))}-{fmt(max(after))}) | "
                f"{fmt(max(after) - min(after))} | "
@@ -376,7 +383,7 @@ def permutation_p(a: list[float], b: list[float]) -> tuple[float, float]:
   """Exact permutation test of mean(a) - mean(b) over every way to split the pooled scores
   into groups of len(a) and len(b): (one-sided p of a difference at least the observed one,
   two-sided p of an |difference| at least the observed one). Ties count as extreme, so the
-  p-values are never below 1 / C(n, len(a)); 3 vs 3 seeds cannot give less than 1/20."""
+  p-values are never below 1 / C(len(a) + len(b), len(a)): 3 vs 3 seeds cannot go under 1/20."""
   if not a or not b:
     raise ValueError(f"permutation_p: both groups need scores (got {len(a)} and {len(b)})")
   pool, n = list(a) + list(b), len(a)
@@ -398,23 +405,17 @@ def vs_dense(rows: list[dict], k: int) -> list[str]:
   dense = {r["seed"]: r[f"heldout_avg{k}_after"] for r in rows if r["arm"] == "dense"}
   if not dense:
     return []
-  groups: dict[tuple, list[dict]] = {}
-  for r in rows:
-    if r["arm"] != "dense":
-      groups.setdefault((r["arm"], _sched_group(r["schedule"])), []).append(r)
   out = [f"| arm | schedule | seeds | avg@{k} minus dense's, same seed: mean (min-max) | seeds "
          "above dense's same seed | mean minus dense's mean (all seeds) | permutation p, "
          "one-sided / two-sided |",
          "|---|---|---|---|---|---|---|"]
-  for key in sorted(groups, key=lambda key: (_arm_rank(key[0]), key)):
-    rs = sorted(groups[key], key=lambda r: r["seed"])
+  for key, rs, names in _arm_groups([r for r in rows if r["arm"] != "dense"]):
     after = [r[f"heldout_avg{k}_after"] for r in rs]
     paired = [r[f"heldout_avg{k}_after"] - dense[r["seed"]] for r in rs if r["seed"] in dense]
     pair_s = (f"{statistics.fmean(paired):+.3f} ({min(paired):+.3f} to {max(paired):+.3f})"
               if paired else "-")
     above = f"{sum(d > 0 for d in paired)} of {len(paired)}" if paired else "-"
     one, two = permutation_p(after, list(dense.values()))
-    names = ", ".join(sorted({_sched_name(r["schedule"]) for r in rs}))
     out.append(f"| {key[0]} | {names} | {', '.join(str(r['seed']) for r in rs)} | {pair_s} | "
                f"{above} | {statistics.fmean(after) - statistics.fmean(dense.values()):+.3f} | "
                f"{one:.3f} / {two:.3f} |")
