@@ -8,6 +8,7 @@ pages; `Request` and `Completion` are what `generate` takes and returns.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -82,8 +83,16 @@ class EngineConfig:
 
   @property
   def worst_case_pages(self) -> int:
-    """Pool pages for every slot at `max_seq_len` (+ the null page)."""
-    return self.num_slots * self.max_pages_per_seq + 1
+    """Pool pages for every slot at `max_seq_len` (+ the null page), plus the pages admission
+    keeps free while something runs (`admission_watermark` of the pool), so that every slot
+    is admitted even when each sequence starts near `max_seq_len`."""
+    need = self.num_slots * self.max_pages_per_seq  # excludes the null page
+    w = self.admission_watermark
+    # Admission keeps int(w * (pool - 1)) pages free: extra >= w * (need + extra).
+    extra = math.ceil(w * need / (1 - w)) if w else 0
+    while extra < int(w * (need + extra)):  # float rounding
+      extra += 1
+    return need + extra + 1
 
 
 def resolve_pool_pages(config: EngineConfig, bytes_per_page: int, device=None) -> int:

@@ -268,3 +268,26 @@ def test_pressure_scenario_wastes_no_prefill_and_matches_a_large_pool(sharp_mode
     np.testing.assert_array_equal(b.token_ids, a.token_ids)
     np.testing.assert_array_equal(c.token_ids, a.token_ids)
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=2e-4)
+
+
+@pytest.mark.parametrize("slots,context,max_len,chunk,page,w", [
+    (16, 8192, 8280, 8, 16, 0.01),    # the GPU suite's engine section (failed on the H200)
+    (16, 32768, 32856, 8, 16, 0.01),
+    (64, 2000, 2048, 16, 16, 0.05),
+    (3, 60, 64, 4, 4, 0.3),
+    (8, 120, 128, 4, 4, 0.0)])
+def test_default_pool_admits_every_slot_at_long_contexts(slots, context, max_len, chunk, page, w):
+  # Without num_pages / bytes / a memory fraction the pool "holds every slot at max_seq_len":
+  # that must stay true with the admission watermark, which keeps pages free while anything
+  # runs (the engine builds its scheduler with the same numbers).
+  cfg = EngineConfig(num_slots=slots, max_seq_len=max_len, page_size=page, decode_chunk=chunk,
+                     admission_watermark=w)
+  pool = cfg.worst_case_pages
+  sched = Scheduler(num_shards=1, num_slots=slots, num_pages=pool, page_size=page,
+                    max_pages_per_seq=cfg.max_pages_per_seq, chunk=chunk,
+                    watermark_pages=int(w * (pool - 1)))
+  sched.submit([_seq(i, context, max_len - context) for i in range(slots)])
+  assert len(sched.admit()) == slots
+  # ... and the extra is what the watermark needs, not more than a page beyond it.
+  need = slots * cfg.max_pages_per_seq
+  assert pool - 1 - need <= int(w * (pool - 1)) + 1
