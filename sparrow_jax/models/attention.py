@@ -122,7 +122,7 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
     raise ValueError(f"cache page_size={cache.page_size} differs from the attention spec's "
                      f"page_size={spec.page_size}")
   backend = dispatch.resolve_backend(spec.backend)
-  config = dispatch.default_config(backend)  # None for XLA
+  config = dispatch.default_config(backend, spec.page_size)  # None for XLA
   slot_multiple = 1 if config is None else config.slot_multiple()
   lm = lms[0] if spec.kind == selection.LandmarkKind.MEAN else lms
   page_idx, valid = selection.select_decode_pages(

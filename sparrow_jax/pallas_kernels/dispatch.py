@@ -28,6 +28,7 @@ import enum
 
 import jax
 
+from sparrow_jax.pallas_kernels import split_k
 from sparrow_jax.pallas_kernels.blocked_decode import dense_decode_blocked
 from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig, paged_decode
 from sparrow_jax.pallas_kernels.reference import sparse_decode_reference
@@ -66,12 +67,16 @@ def is_kernel_backend(backend: Backend) -> bool:
   return backend is not Backend.XLA and backend is not Backend.AUTO
 
 
-def default_config(backend: Backend):
-  """The launch config a resolved kernel backend runs with when none is given."""
+def default_config(backend: Backend, page_size: int | None = None):
+  """The sparse launch config a resolved kernel backend runs with when none is given (what
+  the sparse kernel itself defaults to for caches of `page_size`-token pages, so the
+  selection is padded to the kernel's blocks)."""
   if is_tpu_backend(backend):
     return TpuDecodeConfig()
   if backend in (Backend.PALLAS, Backend.PALLAS_INTERPRET):
-    return SparseDecodeConfig()
+    if page_size is None:
+      return SparseDecodeConfig()
+    return split_k.default_config(SparseDecodeConfig, page_size)
   return None
 
 

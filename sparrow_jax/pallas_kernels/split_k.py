@@ -269,17 +269,28 @@ class KernelCall(NamedTuple):
   in_specs: list  # their block specs on the (B, K, splits) grid
 
 
+def default_config(config_cls, page_size: int):
+  """`config_cls()` with pages_per_block raised to MIN_DOT // page_size when the default's
+  compute block would hold fewer than MIN_DOT key rows (small pages: 2-token pages need 8 per
+  block). The sparse selection is padded to the same block (`slot_multiple`)."""
+  config = config_cls()
+  need = -(-MIN_DOT // page_size)
+  if config.pages_per_block < need:
+    config = dataclasses.replace(config, pages_per_block=next_pow2(need))
+  return config
+
+
 def prepare_call(config, config_cls, q, k_pages, v_pages, page_table, lengths,
                  sm_scale) -> KernelCall:
   """The common start of a split-K kernel call (inputs already checked): the config (default
-  `config_cls()`; another class is refused), the kernel's block dims and shared memory at the
-  call's shapes, the softmax scale (default 1/sqrt(D)), and the five inputs both kernels read
-  first with their block specs."""
-  config = config_cls() if config is None else config
-  if not isinstance(config, config_cls):
-    raise ValueError(f"config={config!r}: expected a {config_cls.__name__}")
+  `default_config(config_cls, page_size)`; another class is refused), the kernel's block dims
+  and shared memory at the call's shapes, the softmax scale (default 1/sqrt(D)), and the five
+  inputs both kernels read first with their block specs."""
   _, h, d = q.shape
   kvh, _, s, _ = k_pages.shape
+  config = default_config(config_cls, s) if config is None else config
+  if not isinstance(config, config_cls):
+    raise ValueError(f"config={config!r}: expected a {config_cls.__name__}")
   check_kernel_dims(d, s, config.pages_per_block)
   check_call_shapes(config, page_size=s, head_dim=d, dtype=k_pages.dtype)
   # [B, K, Gp, D] in the cache dtype (the dots take one operand dtype), GQA group padded.
