@@ -44,7 +44,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   sections = record["sections"]
   assert list(sections) == ["a_kernels_vs_reference", "b_copy_bandwidth",
                             "c_sparse_bandwidth", "d_dense_baseline", "e_engine_decode",
-                            "f_readmission_agreement"]
+                            "f_readmission_agreement", "g_main_job"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
 
   checks = sections["a_kernels_vs_reference"]["results"]["checks"]
@@ -84,6 +84,11 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert [r["attention"] for r in readmit["rows"]] == ["dense", "sparse"]
   for r in readmit["rows"]:  # on CPU a readmission changes no token
     assert r["preempted_requests"] > 0 and r["identical_frac"] == r["prefix_agreement"] == 1.0
+
+  job = sections["g_main_job"]["results"]
+  assert job["command"] == "python experiments/train.py --config tiny num_steps=1 warmstart_steps=0"
+  assert job["summary"]["steps"] == 1 and job["summary"]["generated_tokens"] > 0
+  assert _positive(job["wall_s"])
 
 
 def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):
