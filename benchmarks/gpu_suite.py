@@ -1,6 +1,6 @@
 """One-shot GPU suite: kernel checks, bandwidths and the dense baseline, into one JSON file.
 
-    python benchmarks/gpu_suite.py --out gpu_suite.json              # one H200, < 8 minutes
+    python benchmarks/gpu_suite.py --out gpu_suite.json              # one H200, < 10 minutes
     python benchmarks/gpu_suite.py --sections a,c --out part.json    # some sections only
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json     # CPU, interpret mode
 
@@ -33,10 +33,16 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
   g main_job              `python experiments/train.py --config tiny` (the README's main job,
                           the whole trainer with the kernels at 2-token pages) in a subprocess:
                           exit status, wall time and its summary line.
+  h preset_step           `train.py --config qwen3_1p7b` for two steps at Qwen3-1.7B's shapes
+                          (random weights written as an HF directory, synthetic task, 64
+                          rollouts of 128 new tokens): phase times per step, rollout tokens/s,
+                          compilations, the final checkpoint.
+Sections g and h run their jobs in their own processes and go first (this process does not
+preallocate GPU memory, so those jobs get the device).
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
 its numbers. Every section gets a time guard (its budget, capped by what is left of
 `--budget-s`): a measurement that would start past it is recorded under "skipped" instead, so
-the whole run stays under 8 minutes. Timings are medians over `repeats` of `inner` back-to-back
+the whole run stays under 10 minutes. Timings are medians over `repeats` of `inner` back-to-back
 calls after a warm-up (compile) call, with block_until_ready around each repeat.
 
 The JSON holds `meta` (date, jax / jaxlib / plugin versions, device, platform version, argv)
@@ -184,15 +190,18 @@ class Section:
   name: str
   budget_s: float
   run: Callable[[Run], dict]
+  # Runs a job in its own process: such sections go first, while this process holds
+  # (almost) no device memory.
+  own_process: bool = False
 
 
 SECTIONS: dict[str, Section] = {}
 
 
-def section(letter: str, name: str, budget_s: float):
+def section(letter: str, name: str, budget_s: float, own_process: bool = False):
   """Registers a section; its function takes the Run and returns a JSON-able dict."""
   def register(fn):
-    SECTIONS[letter] = Section(letter, name, budget_s, fn)
+    SECTIONS[letter] = Section(letter, name, budget_s, fn, own_process)
     return fn
   return register
 
@@ -587,38 +596,117 @@ def _summary_fields(line: str) -> dict:
   return out
 
 
-@section("g", "main_job", budget_s=150)
+@section("g", "main_job", budget_s=150, own_process=True)
 def main_job(run: Run) -> dict:
   """`python experiments/train.py --config tiny` (the README's main job) in a subprocess on
   this machine's default backend: on a GPU its rollouts run the Triton kernels at the tiny
   preset's 2-token pages, the trainer's jitted steps on the device. Fails on a non-zero exit
   or a run that does not finish inside the section's time guard."""
-  import subprocess
   import tempfile
 
-  root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
   args = MAIN_JOB_SMOKE if run.smoke else MAIN_JOB_FULL
-  # The suite's own process holds most of the GPU's memory (XLA preallocates): the job
-  # allocates what it uses instead.
-  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-             PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
   with tempfile.TemporaryDirectory() as tmp:
-    cmd = [sys.executable, os.path.join(root, "experiments", "train.py"), *args,
-           f"out_dir={tmp}/run", "tensorboard=false", "--quiet"]
-    timeout = max(run.deadline - time.monotonic(), 1.0)
-    start = time.perf_counter()
-    try:
-      proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-      raise CheckFailed(f"the main job did not finish in {timeout:.0f} s") from None
-    wall = time.perf_counter() - start
+    proc, wall = _run_job(run, "the main job", [
+        _script("experiments", "train.py"), *args, f"out_dir={tmp}/run", "tensorboard=false",
+        "--quiet"])
+  return dict(command="python experiments/train.py " + " ".join(args), wall_s=round(wall, 2),
+              summary=_summary(proc))
+
+
+def _script(*parts) -> str:
+  return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", *parts)
+
+
+_SET_PREALLOCATE = False  # main() turned preallocation off for this process only
+
+
+def _run_job(run: Run, what: str, argv: list, env: dict | None = None):
+  """`python argv...` inside the section's time guard, with the environment a user's run
+  has; CheckFailed on a timeout or a non-zero exit. Returns (completed process, wall s)."""
+  import subprocess
+  root = _script()
+  env = dict(os.environ if env is None else env,
+             PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+  if _SET_PREALLOCATE:
+    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+  timeout = max(run.deadline - time.monotonic(), 1.0)
+  start = time.perf_counter()
+  try:
+    proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+  except subprocess.TimeoutExpired:
+    raise CheckFailed(f"{what} did not finish in {timeout:.0f} s") from None
   if proc.returncode != 0:
-    raise CheckFailed(f"the main job exited {proc.returncode}: {proc.stderr[-1500:]}")
+    raise CheckFailed(f"{what} exited {proc.returncode}: {proc.stderr[-1500:]}")
+  return proc, time.perf_counter() - start
+
+
+def _summary(proc) -> dict:
   lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("summary: ")]
   if not lines:
-    raise CheckFailed(f"the main job printed no summary line: {proc.stdout[-800:]}")
-  return dict(command="python experiments/train.py " + " ".join(args), wall_s=round(wall, 2),
-              summary=_summary_fields(lines[-1]))
+    raise CheckFailed(f"the run printed no summary line: {proc.stdout[-800:]}")
+  return _summary_fields(lines[-1])
+
+
+# Section h: a GPU training preset's own step at its model's shapes: random weights of the
+# preset's model written as an HF directory (byte tokenizer, the model's own vocabulary), then
+# `train.py --config <preset> model_path=...` on the synthetic task for a few steps. Random
+# weights never stop early, so every rollout runs to max_new_tokens: the lengths and the batch
+# are cut to fit the section's budget (each page-table width of a 28-layer decode loop is a
+# compile of its own: 128 new tokens keep it to two or three); everything else (dtypes,
+# remat, micro-batch token budget, memory-sized KV pool, schedule, kernels) is the preset's.
+PRESET_STEP_FULL = dict(preset="qwen3_1p7b", args=(
+    "data=synthetic:arithmetic", "reward=exact_match", "prompts_per_step=8",
+    "max_new_tokens=128", "num_steps=2"))
+PRESET_STEP_SMOKE = dict(preset="tiny", args=("num_steps=1", "warmstart_steps=0"))
+
+_WRITE_RANDOM_CHECKPOINT = """
+import sys
+from sparrow_jax.models.checkpoints import save_pretrained
+from sparrow_jax.models.checkpoints.byte_tokenizer import ByteTokenizer
+from sparrow_jax.models.config import get_config
+from sparrow_jax.models.decoder import init_model
+name, path = sys.argv[1:3]
+tok = ByteTokenizer()
+cfg = get_config(name, dtype="bfloat16", param_dtype="bfloat16", bos_token_id=tok.bos_token_id,
+                 eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+assert tok.vocab_size <= cfg.vocab_size
+save_pretrained(init_model(cfg, seed=0), path, tokenizer=tok)
+"""
+
+_STEP_KEYS = ("time/step_s", "time/rollout_s", "time/recompute_s", "time/update_s",
+              "rollout/tokens", "rollout/tokens_per_s", "rollout/decode_steps",
+              "rollout/preemptions", "rollout/pool_high_water_frac", "response/len_mean",
+              "batch/micro_batches", "compilations", "mismatch/p5_overall", "loss/total",
+              "grad_norm")
+
+
+@section("h", "preset_step", budget_s=300, own_process=True)
+def preset_step(run: Run) -> dict:
+  """`train.py --config qwen3_1p7b` for two steps on this GPU at Qwen3-1.7B's shapes (random
+  weights, 64 rollouts of 128 new tokens): per-step phase times, rollout tokens/s, pool use,
+  compilations, and the final checkpoint written. Fails on a non-zero exit or the guard."""
+  import tempfile
+
+  z = PRESET_STEP_SMOKE if run.smoke else PRESET_STEP_FULL
+  with tempfile.TemporaryDirectory() as tmp:
+    ckpt = os.path.join(tmp, "model")
+    # written on the host CPU: this process and the job below keep the device to themselves
+    _, write_s = _run_job(run, "writing the random checkpoint",
+                          ["-c", _WRITE_RANDOM_CHECKPOINT, z["preset"], ckpt],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    out = os.path.join(tmp, "run")
+    args = (f"--config {z['preset']}", *z["args"])
+    proc, wall = _run_job(run, f"train.py --config {z['preset']}", [
+        _script("experiments", "train.py"), "--config", z["preset"], *z["args"],
+        f"model_path={ckpt}", f"out_dir={out}", "tensorboard=false", "--quiet"])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+      steps = [json.loads(line) for line in f]
+    saved = sorted(os.listdir(os.path.join(out, "checkpoints")))
+  return dict(command="python experiments/train.py " + " ".join(args)
+              + " model_path=<random weights>", checkpoint_write_s=round(write_s, 2),
+              wall_s=round(wall, 2), summary=_summary(proc), checkpoints=saved,
+              steps=[{k: r[k] for k in ("step", *_STEP_KEYS) if k in r} for r in steps])
 
 
 def _bench_shape(run: Run) -> dict:
@@ -703,9 +791,15 @@ def main(argv=None, suite: Suite | None = None) -> int:
                   help="comma-separated section letters or names (default: all)")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes on CPU, kernels in interpret mode")
-  ap.add_argument("--budget-s", type=float, default=450.0,
-                  help="time guard of the whole run in seconds (default 450)")
+  ap.add_argument("--budget-s", type=float, default=540.0,
+                  help="time guard of the whole run in seconds (default 540)")
   args = ap.parse_args(argv)
+  # Before jax starts a backend: this process allocates what it uses instead of 75% of the
+  # GPU up front, so the jobs of the own-process sections get the device's memory.
+  global _SET_PREALLOCATE
+  if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    _SET_PREALLOCATE = True
   try:
     chosen = parse_sections(args.sections, suite.sections)
   except ValueError as e:
@@ -724,6 +818,8 @@ def main(argv=None, suite: Suite | None = None) -> int:
           f"{jax.default_backend()!r}); use --smoke on CPU", file=sys.stderr)
     return 2
 
+  # Sections that run a job in its own process first, while this one holds no device memory.
+  chosen = sorted(chosen, key=lambda sec: not sec.own_process)
   run = Run(suite.smoke if args.smoke else suite.full, args.smoke, args.budget_s,
             backend=suite.smoke_backend if args.smoke else suite.backend,
             engine=suite.smoke_engine if args.smoke else suite.full_engine)

@@ -204,3 +204,18 @@ def test_readme_sample_tool(tmp_path, capsys, monkeypatch):
   assert sample.render_block(long + "summary: steps=7\n", head=2, tail=1).splitlines()[:7] == [
       "```", "warm start: x", "step 1  reward=0.1", "step 2  reward=0.2", "...",
       "step 7  reward=0.7", "summary: steps=7"]
+
+
+def test_train_gives_a_gpu_allocator_the_memory_the_plan_counts_on(monkeypatch):
+  # jax's GPU allocator takes 75% by default; `--dry-run` plans against plan_memory's
+  # usable_fraction. train.py raises the allocator's share to the same fraction, unless the
+  # user set one.
+  import inspect
+  from sparrow_jax.run import memory
+  usable = inspect.signature(memory.plan_memory).parameters["usable_fraction"].default
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+  train_cli._gpu_memory_fraction()
+  assert float(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"]) == usable
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  train_cli._gpu_memory_fraction()
+  assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"

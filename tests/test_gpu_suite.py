@@ -42,9 +42,10 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert meta["versions"]["jax"] and meta["versions"]["jaxlib"] and meta["date"]
   assert meta["device"] and meta["backend"] == "cpu"
   sections = record["sections"]
-  assert list(sections) == ["a_kernels_vs_reference", "b_copy_bandwidth",
-                            "c_sparse_bandwidth", "d_dense_baseline", "e_engine_decode",
-                            "f_readmission_agreement", "g_main_job"]
+  # the sections that run jobs in their own processes first, then the rest in letter order
+  assert list(sections) == ["g_main_job", "h_preset_step", "a_kernels_vs_reference",
+                            "b_copy_bandwidth", "c_sparse_bandwidth", "d_dense_baseline",
+                            "e_engine_decode", "f_readmission_agreement"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
 
   checks = sections["a_kernels_vs_reference"]["results"]["checks"]
@@ -89,6 +90,14 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert job["command"] == "python experiments/train.py --config tiny num_steps=1 warmstart_steps=0"
   assert job["summary"]["steps"] == 1 and job["summary"]["generated_tokens"] > 0
   assert _positive(job["wall_s"])
+
+  preset = sections["h_preset_step"]["results"]  # smoke: the tiny model from an HF directory
+  assert preset["command"].startswith("python experiments/train.py --config tiny num_steps=1")
+  assert preset["summary"]["steps"] == 1 and preset["checkpoints"] == ["1"]
+  (step,) = preset["steps"]
+  assert step["step"] == 1 and step["rollout/tokens"] == preset["summary"]["generated_tokens"]
+  assert all(_positive(step[k]) for k in ("time/step_s", "time/rollout_s", "time/update_s",
+                                          "rollout/tokens_per_s"))
 
 
 def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):

@@ -52,7 +52,7 @@ Rows of the plan (bytes per device) and their assumptions:
                 of weights per tensor shard, or the embedding if larger.
 
 Not counted: XLA temporaries and fragmentation (hence `usable_fraction` = 0.9 of the device;
-note that jax preallocates only 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION is raised), the
+jax preallocates 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION is raised: train.py sets 0.9), the
 rollout's prefill activations, the dense recompute's (no-grad) activations, host memory.
 The kv cache and training activations are summed although they peak in different phases:
 an engine that keeps its cache allocated between steps holds both.
