@@ -634,11 +634,26 @@ def _run_job(run: Run, what: str, argv: list, env: dict | None = None):
   try:
     proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True,
                           timeout=timeout)
-  except subprocess.TimeoutExpired:
-    raise CheckFailed(f"{what} did not finish in {timeout:.0f} s") from None
+  except subprocess.TimeoutExpired as e:
+    raise CheckFailed(f"{what} did not finish in {timeout:.0f} s; its last output: "
+                      f"{_text(e.stderr)[-1500:]}") from None
   if proc.returncode != 0:
     raise CheckFailed(f"{what} exited {proc.returncode}: {proc.stderr[-1500:]}")
   return proc, time.perf_counter() - start
+
+
+def _text(out) -> str:
+  return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def _read_steps(out_dir: str) -> list[dict]:
+  """The per-step records a training run has written so far (its metrics.jsonl)."""
+  path = os.path.join(out_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    rows = [json.loads(line) for line in f if line.strip()]
+  return [{k: r[k] for k in ("step", *_STEP_KEYS) if k in r} for r in rows]
 
 
 def _summary(proc) -> dict:
@@ -697,16 +712,17 @@ def preset_step(run: Run) -> dict:
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
     out = os.path.join(tmp, "run")
     args = (f"--config {z['preset']}", *z["args"])
-    proc, wall = _run_job(run, f"train.py --config {z['preset']}", [
-        _script("experiments", "train.py"), "--config", z["preset"], *z["args"],
-        f"model_path={ckpt}", f"out_dir={out}", "tensorboard=false", "--quiet"])
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-      steps = [json.loads(line) for line in f]
+    try:
+      proc, wall = _run_job(run, f"train.py --config {z['preset']}", [
+          _script("experiments", "train.py"), "--config", z["preset"], *z["args"],
+          f"model_path={ckpt}", f"out_dir={out}", "tensorboard=false", "--quiet"])
+    except CheckFailed as e:  # what it did before it failed or ran out of time
+      raise CheckFailed(f"{e}\nsteps written: {json.dumps(_read_steps(out))}") from None
+    steps = _read_steps(out)
     saved = sorted(os.listdir(os.path.join(out, "checkpoints")))
   return dict(command="python experiments/train.py " + " ".join(args)
               + " model_path=<random weights>", checkpoint_write_s=round(write_s, 2),
-              wall_s=round(wall, 2), summary=_summary(proc), checkpoints=saved,
-              steps=[{k: r[k] for k in ("step", *_STEP_KEYS) if k in r} for r in steps])
+              wall_s=round(wall, 2), summary=_summary(proc), checkpoints=saved, steps=steps)
 
 
 def _bench_shape(run: Run) -> dict:

@@ -137,3 +137,35 @@ def test_bad_arguments_exit_2(suite, tmp_path, capsys):
     assert suite.main(["--out", out]) == 2
     assert "needs a GPU" in capsys.readouterr().err
   assert not os.path.exists(out)
+
+
+def test_job_sections_report_a_failed_or_stuck_job_with_its_last_output(suite, tmp_path,
+                                                                         monkeypatch):
+  run = suite.Run(suite.SMOKE, True, 60.0)
+  run.start_section(60.0)
+  proc, wall = suite._run_job(run, "ok job", ["-c", "print('hello')"])
+  assert proc.stdout.strip() == "hello" and wall > 0
+  with pytest.raises(suite.CheckFailed, match=r"bad job exited 3: .*went wrong"):
+    suite._run_job(run, "bad job", ["-c", "import sys; print('went wrong', file=sys.stderr); "
+                                          "sys.exit(3)"])
+  run.start_section(3.0)  # the guard ends the job and keeps what it printed
+  with pytest.raises(suite.CheckFailed, match=r"stuck job did not finish in \d+ s; its last "
+                                              r"output: .*started"):
+    suite._run_job(run, "stuck job", ["-c", "import sys, time; print('started', "
+                                            "file=sys.stderr, flush=True); time.sleep(60)"])
+  # the steps a training run wrote before it stopped
+  (tmp_path / "metrics.jsonl").write_text(
+      json.dumps({"step": 1, "time/step_s": 2.5, "other": 1}) + "\n")
+  assert suite._read_steps(str(tmp_path)) == [{"step": 1, "time/step_s": 2.5}]
+  assert suite._read_steps(str(tmp_path / "none")) == []
+  # the suite does not preallocate the GPU itself; a job gets the user's environment back
+  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+  monkeypatch.setattr(suite, "_SET_PREALLOCATE", False)
+  monkeypatch.setitem(suite.SECTIONS, "x", suite.Section(
+      "x", "env", 10, lambda r: dict(job=suite._run_job(r, "env job", [
+          "-c", "import os; print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))"])[0]
+          .stdout.strip(), suite=os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"])))
+  out = tmp_path / "r.json"
+  assert suite.main(["--smoke", "--sections", "x", "--out", str(out)]) == 0
+  res = json.loads(out.read_text())["sections"]["x_env"]["results"]
+  assert res == {"job": "None", "suite": "false"}
