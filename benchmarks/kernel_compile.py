@@ -67,6 +67,7 @@ class Target:
   head_dim: int
   used_by: str  # which preset / suite part selects it
   gating: bool  # a failure fails the run (defaults) or is only reported (sweep)
+  page_size: int = PAGE_SIZE
 
   @property
   def group(self) -> int:
@@ -84,6 +85,21 @@ def _shapes(models=None) -> dict[str, tuple[int, int, int]]:
       out[name] = (mc.num_heads, mc.num_kv_heads, mc.head_dim)
   if not models:
     out.update(SUITE_SHAPES)
+  return out
+
+
+def _small_page_shapes(models=None) -> dict[str, tuple[int, int, int, int]]:
+  """(heads, kv_heads, head_dim, page_size) of the training presets whose pages are not
+  PAGE_SIZE tokens (their kernels take a page-size-aware default: `split_k.default_config`)."""
+  from sparrow_jax.run.config import PRESETS as TRAIN_PRESETS
+  out = {}
+  for name, tc in TRAIN_PRESETS.items():
+    mc = MODEL_PRESETS[tc.model]
+    if tc.page_size == PAGE_SIZE or (models and tc.model not in models and name not in models):
+      continue
+    if split_k.is_pow2(mc.head_dim) and mc.head_dim >= split_k.MIN_DOT:
+      out[f"{name} (pages of {tc.page_size})"] = (mc.num_heads, mc.num_kv_heads, mc.head_dim,
+                                                  tc.page_size)
   return out
 
 
@@ -115,6 +131,11 @@ def targets(only: str = "all", models=None) -> list[Target]:
       for dtype in DTYPES:
         out.append(Target("dense", PagedDecodeConfig(), dtype, h, k, d, used_by, True))
         out.append(Target("sparse", SparseDecodeConfig(), dtype, h, k, d, used_by, True))
+    for name, (h, k, d, page) in _small_page_shapes(models).items():
+      for dtype in DTYPES:
+        for kernel, cls in (("dense", PagedDecodeConfig), ("sparse", SparseDecodeConfig)):
+          out.append(Target(kernel, split_k.default_config(cls, page), dtype, h, k, d, name,
+                            True, page))
   if only in ("sweep", "all"):
     dense_sweep, sparse_cfg = _suite_dense_configs()
     h, k, d = SUITE_BENCH
@@ -129,8 +150,8 @@ def _args(t: Target):
   b, p, m, n = 4, 64, 32, 67
   s = jax.ShapeDtypeStruct
   base = (s((b, t.heads, t.head_dim), t.dtype),
-          s((t.kv_heads, p, PAGE_SIZE, t.head_dim), t.dtype),
-          s((t.kv_heads, p, PAGE_SIZE, t.head_dim), t.dtype),
+          s((t.kv_heads, p, t.page_size, t.head_dim), t.dtype),
+          s((t.kv_heads, p, t.page_size, t.head_dim), t.dtype),
           s((b, m), jnp.int32), s((b,), jnp.int32))
   if t.kernel == "dense":
     return base
@@ -147,7 +168,7 @@ def config_text(cfg) -> str:
 def compile_target(t: Target, limits: gpu_compile.GpuLimits = gpu_compile.H200) -> dict:
   """One JSON row: kernel, config, dtype, registers, spill_bytes, shared_bytes and the rest."""
   row = dict(kernel=t.kernel, config=config_text(t.config), dtype=t.dtype, head_dim=t.head_dim,
-             group=t.group, page_size=PAGE_SIZE, used_by=t.used_by, gating=t.gating)
+             group=t.group, page_size=t.page_size, used_by=t.used_by, gating=t.gating)
   fn = functools.partial(paged_decode if t.kernel == "dense" else sparse_decode,
                          config=t.config)
   try:
@@ -166,7 +187,7 @@ def compile_target(t: Target, limits: gpu_compile.GpuLimits = gpu_compile.H200) 
              shared_bytes=res.shared_bytes, num_warps=res.num_warps, num_stages=res.num_stages,
              blocks_per_sm=res.blocks_per_sm, occupancy=round(res.occupancy, 4),
              shared_floor_bytes=split_k.shared_bytes_lower_bound(
-                 pages_per_block=t.config.pages_per_block, page_size=PAGE_SIZE,
+                 pages_per_block=t.config.pages_per_block, page_size=t.page_size,
                  head_dim=t.head_dim, dtype=t.dtype, num_stages=t.config.num_stages),
              status=status, problems=problems)
   return row
