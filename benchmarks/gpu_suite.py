@@ -32,7 +32,7 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           distributions: 1 of 17 preempted requests, BENCHMARKS.md).
   g main_job              `python experiments/train.py --config tiny` (the README's main job,
                           the whole trainer with the kernels at 2-token pages) in a subprocess:
-                          exit status, wall time and its summary line.
+                          exit status, wall time and its summary.json.
   h preset_step           `train.py --config qwen3_1p7b` for two steps at Qwen3-1.7B's shapes
                           (random weights written as an HF directory, synthetic task, 64
                           rollouts of 128 new tokens): phase times per step, rollout tokens/s,
@@ -584,21 +584,6 @@ MAIN_JOB_FULL = ("--config", "tiny")
 MAIN_JOB_SMOKE = ("--config", "tiny", "num_steps=1", "warmstart_steps=0")
 
 
-def _summary_fields(line: str) -> dict:
-  """`summary: steps=60, reward_gain=0.42, ...` -> {"steps": 60, "reward_gain": 0.42, ...}."""
-  out = {}
-  for item in line.split(":", 1)[1].split(","):
-    key, _, value = item.strip().partition("=")
-    try:
-      out[key] = int(value)
-    except ValueError:
-      try:
-        out[key] = float(value)
-      except ValueError:
-        out[key] = value
-  return out
-
-
 @section("g", "main_job", budget_s=150, own_process=True)
 def main_job(run: Run) -> dict:
   """`python experiments/train.py --config tiny` (the README's main job) in a subprocess on
@@ -609,11 +594,13 @@ def main_job(run: Run) -> dict:
 
   args = MAIN_JOB_SMOKE if run.smoke else MAIN_JOB_FULL
   with tempfile.TemporaryDirectory() as tmp:
-    proc, wall = _run_job(run, "the main job", [
-        _script("experiments", "train.py"), *args, f"out_dir={tmp}/run", "tensorboard=false",
+    out = os.path.join(tmp, "run")
+    _, wall = _run_job(run, "the main job", [
+        _script("experiments", "train.py"), *args, f"out_dir={out}", "tensorboard=false",
         "--quiet"])
+    summary = _summary(out)
   return dict(command="python experiments/train.py " + " ".join(args), wall_s=round(wall, 2),
-              summary=_summary(proc))
+              summary=summary)
 
 
 def _script(*parts) -> str:
@@ -651,19 +638,21 @@ def _text(out) -> str:
 
 def _read_steps(out_dir: str) -> list[dict]:
   """The per-step records a training run has written so far (its metrics.jsonl)."""
+  from sparrow_jax.run.metrics import read_jsonl
   path = os.path.join(out_dir, "metrics.jsonl")
   if not os.path.exists(path):
     return []
+  return [{k: r[k] for k in ("step", *_STEP_KEYS) if k in r}
+          for _, r in sorted(read_jsonl(path).items())]
+
+
+def _summary(out_dir: str) -> dict:
+  """The summary a finished training run wrote (what train.py prints as `summary: ...`)."""
+  path = os.path.join(out_dir, "summary.json")
+  if not os.path.exists(path):
+    raise CheckFailed(f"the run wrote no {path}")
   with open(path) as f:
-    rows = [json.loads(line) for line in f if line.strip()]
-  return [{k: r[k] for k in ("step", *_STEP_KEYS) if k in r} for r in rows]
-
-
-def _summary(proc) -> dict:
-  lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("summary: ")]
-  if not lines:
-    raise CheckFailed(f"the run printed no summary line: {proc.stdout[-800:]}")
-  return _summary_fields(lines[-1])
+    return json.load(f)
 
 
 # Section h: a GPU training preset's own step at its model's shapes: random weights of the
@@ -716,16 +705,16 @@ def preset_step(run: Run) -> dict:
     out = os.path.join(tmp, "run")
     args = (f"--config {z['preset']}", *z["args"])
     try:
-      proc, wall = _run_job(run, f"train.py --config {z['preset']}", [
+      _, wall = _run_job(run, f"train.py --config {z['preset']}", [
           _script("experiments", "train.py"), "--config", z["preset"], *z["args"],
           f"model_path={ckpt}", f"out_dir={out}", "tensorboard=false", "--quiet"])
     except CheckFailed as e:  # what it did before it failed or ran out of time
       raise CheckFailed(f"{e}\nsteps written: {json.dumps(_read_steps(out))}") from None
-    steps = _read_steps(out)
+    steps, summary = _read_steps(out), _summary(out)
     saved = sorted(os.listdir(os.path.join(out, "checkpoints")))
   return dict(command="python experiments/train.py " + " ".join(args)
               + " model_path=<random weights>", checkpoint_write_s=round(write_s, 2),
-              wall_s=round(wall, 2), summary=_summary(proc), checkpoints=saved, steps=steps)
+              wall_s=round(wall, 2), summary=summary, checkpoints=saved, steps=steps)
 
 
 def _bench_shape(run: Run) -> dict:

@@ -74,6 +74,11 @@ class Target:
     return self.heads // self.kv_heads
 
 
+def _triton_head_dim(mc) -> bool:
+  """The model's head dim is one the Triton kernels accept (a power of two >= MIN_DOT)."""
+  return split_k.is_pow2(mc.head_dim) and mc.head_dim >= split_k.MIN_DOT
+
+
 def _shapes(models=None) -> dict[str, tuple[int, int, int]]:
   """(heads, kv_heads, head_dim) of the model presets the Triton kernels accept, and of the
   GPU suite's check shapes."""
@@ -81,7 +86,7 @@ def _shapes(models=None) -> dict[str, tuple[int, int, int]]:
   for name, mc in MODEL_PRESETS.items():
     if models and name not in models:
       continue
-    if split_k.is_pow2(mc.head_dim) and mc.head_dim >= split_k.MIN_DOT:
+    if _triton_head_dim(mc):
       out[name] = (mc.num_heads, mc.num_kv_heads, mc.head_dim)
   if not models:
     out.update(SUITE_SHAPES)
@@ -97,7 +102,7 @@ def _small_page_shapes(models=None) -> dict[str, tuple[int, int, int, int]]:
     mc = MODEL_PRESETS[tc.model]
     if tc.page_size == PAGE_SIZE or (models and tc.model not in models and name not in models):
       continue
-    if split_k.is_pow2(mc.head_dim) and mc.head_dim >= split_k.MIN_DOT:
+    if _triton_head_dim(mc):
       out[f"{name} (pages of {tc.page_size})"] = (mc.num_heads, mc.num_kv_heads, mc.head_dim,
                                                   tc.page_size)
   return out

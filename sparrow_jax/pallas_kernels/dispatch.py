@@ -67,15 +67,13 @@ def is_kernel_backend(backend: Backend) -> bool:
   return backend is not Backend.XLA and backend is not Backend.AUTO
 
 
-def default_config(backend: Backend, page_size: int | None = None):
+def default_config(backend: Backend, page_size: int):
   """The sparse launch config a resolved kernel backend runs with when none is given (what
   the sparse kernel itself defaults to for caches of `page_size`-token pages, so the
   selection is padded to the kernel's blocks)."""
   if is_tpu_backend(backend):
     return TpuDecodeConfig()
   if backend in (Backend.PALLAS, Backend.PALLAS_INTERPRET):
-    if page_size is None:
-      return SparseDecodeConfig()
     return split_k.default_config(SparseDecodeConfig, page_size)
   return None
 
