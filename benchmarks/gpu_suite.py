@@ -381,6 +381,7 @@ def sparse_bandwidth(run: Run) -> dict:
                      kernel_ms=kernel_ms, kernel_gbps=gbps, pct_of_copy=100 * gbps / copy,
                      topk_ms=topk_ms, step_ms=step_ms["float32"],
                      step_ms_bf16_landmarks=step_ms["bfloat16"]))
+  run.cache["sparse_step_ms"] = {r["budget"]: r["step_ms_bf16_landmarks"] for r in rows}
   return dict(shape=_bench_shape(run), config=dataclasses.asdict(z.sparse_config),
               copy_gbps=copy, score_ms=score_ms, landmark_bytes=lm_bytes, rows=rows)
 
@@ -421,8 +422,13 @@ def dense_baseline(run: Run) -> dict:
                                                 backend="xla")))
   agreement = {impl: _rel_err(out, outs["dense_xla"]) for impl, out in outs.items()
                if "dense_xla" in outs and impl != "dense_xla"}
+  # Same shape, same run: the default dense kernel's time over section c's whole sparse step
+  # (scoring with bf16 landmarks + top-k + kernel) per budget, when c ran.
+  dense_ms = next((r["ms"] for r in rows if r["impl"] == "dense_kernel"), None)
+  speedup = {budget: dense_ms / ms for budget, ms in run.cache.get("sparse_step_ms", {}).items()
+             } if dense_ms else {}
   return dict(shape=_bench_shape(run), own_kv_bytes=nbytes, copy_gbps=copy, rows=rows,
-              rel_diff_vs_xla=agreement)
+              rel_diff_vs_xla=agreement, dense_over_sparse_step=speedup)
 
 
 def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):

@@ -74,6 +74,9 @@ def test_smoke_run_writes_every_section(tmp_path):
   # the three implementations compute the same attention (bf16 outputs)
   assert set(dense["rel_diff_vs_xla"]) == {"dense_kernel", "jax_paged_attention"}
   assert all(d < 2e-2 for d in dense["rel_diff_vs_xla"].values())
+  # the dense kernel over section c's sparse step at each budget, measured in this run
+  speedup = dense["dense_over_sparse_step"]
+  assert sorted(map(int, speedup)) == [1, 2] and all(_positive(v) for v in speedup.values())
 
   engine = sections["e_engine_decode"]["results"]
   assert engine["schedule"] == "qwen3-1.7b-0.86" and [r["context"] for r in engine["rows"]] == [256]
