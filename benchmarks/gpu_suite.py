@@ -61,6 +61,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gc
 import importlib.metadata
 import json
 import os
@@ -450,7 +451,9 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
     sq.tokens[0], sq.num_tokens, sq.length = 5, 1, context  # one pending token on top
   kind = engine._landmark
 
-  @jax.jit
+  # Donated: the random cache replaces the engine's in place (at 32K x 16 sequences of
+  # Qwen3-1.7B the pool is ~60 GB; two of them do not fit beside each other).
+  @functools.partial(jax.jit, donate_argnums=0)
   def fill(kv, key):
     ks, vs, lms = [], [], []
     for i, (k, v) in enumerate(zip(kv.k, kv.v)):
@@ -509,19 +512,30 @@ def engine_decode(run: Run) -> dict:
     max_len = ctx + steps * (run.sizes.repeats + 2) + sched_.page_size
     ecfg = EngineConfig(num_slots=z["batch"], max_seq_len=max_len, page_size=sched_.page_size,
                         decode_chunk=steps)
-    out = {}
+    out, errors = {}, {}
     for name, att, sch in (("dense", attn_lib.Dense(backend=backend), None),
                            ("sparse", sparse_att, sched_)):
-      eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
-      sched = fill_random_context(eng, z["batch"], ctx)
-      out[name] = decode_step_ms(run, eng, sched, steps)
+      eng = sched = None
+      try:
+        eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
+        sched = fill_random_context(eng, z["batch"], ctx)
+        out[name] = decode_step_ms(run, eng, sched, steps)
+      except jax.errors.JaxRuntimeError as e:  # e.g. out of memory at one context: the
+        errors[name] = str(e).split("\n")[0][:300]  # other contexts are still measured
       del eng, sched
+      gc.collect()
     budget = int(budget_pages(sched_, ctx))
+    if errors:
+      rows.append(dict(context=ctx, batch=z["batch"], budget_pages=budget, errors=errors,
+                       **{f"{k}_ms": v for k, v in out.items()}))
+      continue
     rows.append(dict(context=ctx, batch=z["batch"], budget_pages=budget,
                      dense_ms=out["dense"], sparse_ms=out["sparse"],
                      dense_tok_s=z["batch"] * 1e3 / out["dense"],
                      sparse_tok_s=z["batch"] * 1e3 / out["sparse"],
                      speedup=out["dense"] / out["sparse"]))
+  if rows and all("errors" in r for r in rows):
+    raise CheckFailed(f"no context measured: {[r['errors'] for r in rows]}")
   return dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, rows=rows,
               note="contexts filled with random K/V and their landmarks; bf16 weights/cache")
 
@@ -613,7 +627,10 @@ def _script(*parts) -> str:
   return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", *parts)
 
 
-_SET_PREALLOCATE = False  # main() turned preallocation off for this process only
+# What main() set in the environment for this process only (the own-process jobs run with
+# the user's environment).
+_SUITE_ENV = dict(XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION="0.9")
+_SET_ENV: list = []
 
 
 def _run_job(run: Run, what: str, argv: list, env: dict | None = None):
@@ -623,8 +640,8 @@ def _run_job(run: Run, what: str, argv: list, env: dict | None = None):
   root = _script()
   env = dict(os.environ if env is None else env,
              PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-  if _SET_PREALLOCATE:
-    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+  for name in _SET_ENV:
+    env.pop(name, None)
   timeout = max(run.deadline - time.monotonic(), 1.0)
   start = time.perf_counter()
   try:
@@ -809,11 +826,13 @@ def main(argv=None, suite: Suite | None = None) -> int:
                   help="time guard of the whole run in seconds (default 540)")
   args = ap.parse_args(argv)
   # Before jax starts a backend: this process allocates what it uses instead of 75% of the
-  # GPU up front, so the jobs of the own-process sections get the device's memory.
-  global _SET_PREALLOCATE
-  if "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
-    os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    _SET_PREALLOCATE = True
+  # GPU up front, so the jobs of the own-process sections get the device's memory; and it may
+  # grow to 90% of the device (section e holds a ~60 GB KV pool at 32K tokens x 16, the
+  # trainer's own default, experiments/train.py).
+  for name, value in _SUITE_ENV.items():
+    if name not in os.environ:
+      os.environ[name] = value
+      _SET_ENV.append(name)
   try:
     chosen = parse_sections(args.sections, suite.sections)
   except ValueError as e:
@@ -858,6 +877,7 @@ def main(argv=None, suite: Suite | None = None) -> int:
         entry["skipped"] = list(run.skipped)
         if entry["status"] == "ok":
           entry["status"] = "partial"
+    gc.collect()  # a failed section's frames (and the device buffers they hold) go now
     entry["wall_s"] = round(time.monotonic() - t0, 2)
     record["sections"][key] = entry
     record["wall_s"] = round(time.monotonic() - t_start, 2)

@@ -161,14 +161,17 @@ def test_job_sections_report_a_failed_or_stuck_job_with_its_last_output(suite, t
       json.dumps({"step": 1, "time/step_s": 2.5, "other": 1}) + "\n")
   assert suite._read_steps(str(tmp_path)) == [{"step": 1, "time/step_s": 2.5}]
   assert suite._read_steps(str(tmp_path / "none")) == []
-  # the suite does not preallocate the GPU itself; a job gets the user's environment back
-  monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
-  monkeypatch.setattr(suite, "_SET_PREALLOCATE", False)
+  # the suite does not preallocate the GPU itself and may grow to 90% of it; a job gets the
+  # user's environment back
+  names = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+  for name in names:
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(suite, "_SET_ENV", [])
+  show = f"import os; print([os.environ.get(n) for n in {names!r}])"
   monkeypatch.setitem(suite.SECTIONS, "x", suite.Section(
-      "x", "env", 10, lambda r: dict(job=suite._run_job(r, "env job", [
-          "-c", "import os; print(os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'))"])[0]
-          .stdout.strip(), suite=os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"])))
+      "x", "env", 10, lambda r: dict(job=suite._run_job(r, "env job", ["-c", show])[0]
+                                     .stdout.strip(), suite=[os.environ[n] for n in names])))
   out = tmp_path / "r.json"
   assert suite.main(["--smoke", "--sections", "x", "--out", str(out)]) == 0
   res = json.loads(out.read_text())["sections"]["x_env"]["results"]
-  assert res == {"job": "None", "suite": "false"}
+  assert res == {"job": "[None, None]", "suite": ["false", "0.9"]}

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sparrow_jax.models.config import get_config
+from sparrow_jax.models.config import ModelConfig, get_config
 from sparrow_jax.models.decoder import Decoder, init_model
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
@@ -54,6 +54,21 @@ def _weights_path(cfg: TrainConfig) -> str | None:
     raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
                      "only the 'tiny' preset trains from random initialisation")
   return None
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+  """The architecture a run's memory plan and compile plan size: the checkpoint's own
+  (config.json or GGUF metadata, no weights read) when the run loads one that is on this
+  machine, else the `model` preset's (a dry run on a machine without the checkpoint).
+  `--config qwen3_1p7b model_path=<a Qwen3-4B>` is planned as the 4B it trains."""
+  try:
+    path = _weights_path(cfg)
+  except (FileNotFoundError, ValueError):
+    path = None
+  if path is not None:
+    from sparrow_jax.models import checkpoint_config
+    return checkpoint_config(path, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  return get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
 
 def build_model(cfg: TrainConfig) -> tuple[Decoder, Any]:

@@ -36,14 +36,13 @@ from sparrow_jax.engine.config import EngineConfig
 from sparrow_jax.engine.engine import GenerationEngine
 from sparrow_jax.engine.steps import AXIS
 from sparrow_jax.models import attention as attn_lib
-from sparrow_jax.models.config import get_config
 from sparrow_jax.models.kv_cache import PagedKVCache
 from sparrow_jax.models.decoder import Decoder
 from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl import grpo
 from sparrow_jax.models import lora as lora_lib
 from sparrow_jax.run import sharding as sh
-from sparrow_jax.run.builders import build_schedule, make_optimizer
+from sparrow_jax.run.builders import build_schedule, make_optimizer, model_config
 from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.run.programs import build_programs
 from sparrow_jax.schedule.schedule import attention_spec
@@ -101,7 +100,7 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
                     ) -> dict[str, PhaseMemory]:
   """Compile the training-side programs of one step on `mesh` (recompute, reference, update
   forward/backward and optimizer step, DistillSparse, ladder probe: what `cfg` enables)."""
-  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  mcfg = model_config(cfg)
   model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
   graphdef, abstract = nnx.split(model)
   pshard = sh.param_shardings(abstract, mesh)
@@ -237,7 +236,7 @@ def rollout_phases(cfg: TrainConfig, mesh, plan, *,
   one decode chunk with every slot at the longest context, the prefill of a full batch of
   fresh prompts (dense) and the prefill of one readmitted sequence at the longest context
   (the sparse teacher-forced path under a sparse schedule). Attention on the XLA path."""
-  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  mcfg = model_config(cfg)
   model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
   schedule = build_schedule(cfg)
   max_len = cfg.max_prompt_len + cfg.max_new_tokens

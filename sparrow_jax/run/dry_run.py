@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
-from sparrow_jax.models.config import get_config
 from sparrow_jax.run import sharding as sh
+from sparrow_jax.run.builders import model_config
 from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.run.memory import GB, device_memory_bytes, plan_memory
 
@@ -29,7 +30,7 @@ def memory_plan(cfg: TrainConfig, num_devices: int, *, mean_response_len: int | 
                 **kw):
   """The memory plan of a training config, as `--dry-run` prints it. The trainer calls
   `plan_for_model` with its built model config, so both size the KV pool with one model."""
-  mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+  mcfg = model_config(cfg)
   return plan_for_model(cfg, mcfg, num_devices, mean_response_len=mean_response_len, **kw)
 
 
@@ -112,7 +113,10 @@ def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
     num_devices = (jax.device_count() if not mesh.is_resolved else math.prod(mesh.shape))
   seq = cfg.max_prompt_len + cfg.max_new_tokens
   plan = memory_plan(cfg, num_devices, mean_response_len=mean_response_len)
-  print(f"dry run: {cfg.model} ({plan.param_count / 1e9:.3f} B params) on {num_devices} "
+  name = cfg.model
+  if cfg.model_path and os.path.exists(cfg.model_path):  # planned as the checkpoint it loads
+    name = f"{cfg.model_path} (config.json / GGUF metadata)"
+  print(f"dry run: {name} ({plan.param_count / 1e9:.3f} B params) on {num_devices} "
         f"device(s), mesh {mesh.resolve(num_devices).describe()}, {cfg.num_slots} rollout "
         f"slots per device, sequences up to {seq} tokens, train micro-batch "
         f"{cfg.micro_batch}" + (f" / {cfg.max_tokens_per_micro_batch} tokens per device"
@@ -152,8 +156,7 @@ def _compile_report(cfg: TrainConfig, num_devices: int, plan, phases: dict, out)
   from sparrow_jax.run import compile_plan
   mesh = compile_plan.make_compile_mesh(cfg, num_devices)
   # XLA:CPU computes bf16 dots in float32: compare with a plan that holds activations so.
-  cpu = plan_for_model(cfg, get_config(cfg.model, dtype=cfg.dtype,
-                                       param_dtype=cfg.param_dtype), num_devices,
+  cpu = plan_for_model(cfg, model_config(cfg), num_devices,
                        activation_dtype="float32", backend="xla",
                        kv_pool_pages=plan.kv_pool_pages)
   say = lambda m: print(m, file=out, flush=True)

@@ -45,7 +45,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from sparrow_jax.models.config import ModelConfig, get_config
+from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import grpo, rewards as rewards_lib
 from sparrow_jax.run import distributed
@@ -64,7 +64,8 @@ from sparrow_jax.rl.switching import (ScheduleLadder, _probe_alpha as probe_alph
 from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.run.builders import (  # noqa: F401  (re-exported)
     Preflight, _bucket, _guarded_apply, build_examples, build_model,
-    build_schedule, encode_prompt, fit_prompts, make_optimizer, preflight, smollm2_gguf_path)
+    build_schedule, encode_prompt, fit_prompts, make_optimizer, model_config, preflight,
+    smollm2_gguf_path)
 from sparrow_jax.run.dry_run import plan_for_model
 from sparrow_jax.run.memory import device_memory_bytes
 from sparrow_jax.rl.logprobs import token_logprobs
@@ -142,8 +143,7 @@ class Trainer:
                          "arrol=false in a multi-process run (not supported yet)")
     self.mesh = sh.make_mesh(mesh_cfg, devices=jax.devices()[:n_mesh])
     if with_dataset:  # a run that cannot fit this machine is refused before the model loads
-      self._check_memory(plan_for_model(cfg, get_config(cfg.model, dtype=cfg.dtype,
-                                                        param_dtype=cfg.param_dtype),
+      self._check_memory(plan_for_model(cfg, model_config(cfg),
                                         n_mesh, **self._plan_device()))
     model, self.tokenizer = build_model(cfg)
     self.model_cfg: ModelConfig = model.cfg

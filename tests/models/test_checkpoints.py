@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.models import (PRESETS, Decoder, from_hf_config, get_config, init_model,
-                                load_pretrained, load_tokenizer, save_pretrained)
+from sparrow_jax.models import (PRESETS, Decoder, checkpoint_config, from_hf_config, get_config,
+                                init_model, load_pretrained, load_tokenizer, save_pretrained)
 from sparrow_jax.models.checkpoints import gguf as gguf_ckpt
 from sparrow_jax.models.checkpoints import keymap, load_gguf, load_hf_dir
 
@@ -157,6 +157,13 @@ def test_missing_paths(tmp_path):
     load_pretrained(tmp_path / "weights.txt")
   with pytest.raises(FileNotFoundError, match="GGUF file not found"):
     load_gguf(tmp_path / "missing.gguf")
+  # the config reader (the memory plan's) refuses the same paths the same way
+  with pytest.raises(FileNotFoundError, match="checkpoint not found: .*nope"):
+    checkpoint_config(tmp_path / "nope")
+  with pytest.raises(FileNotFoundError, match="empty/config.json not found"):
+    checkpoint_config(tmp_path / "empty")
+  with pytest.raises(ValueError, match="expected an HF checkpoint directory .* or a .gguf"):
+    checkpoint_config(tmp_path / "weights.txt")
 
 
 def test_missing_safetensors(hf_dir, tmp_path):

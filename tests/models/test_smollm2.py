@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.models import get_config, load_tokenizer
-from sparrow_jax.models.checkpoints import load_gguf
+from sparrow_jax.models.checkpoints import checkpoint_config, load_gguf
 from sparrow_jax.models.decoder import forward
 from flax import nnx
 
@@ -60,6 +60,7 @@ def smollm2():
 def test_config_and_metadata_match_preset(smollm2):
   meta, model, _, tok, ids = smollm2
   assert model.cfg.replace(name="smollm2_135m") == get_config("smollm2_135m")
+  assert checkpoint_config(_gguf_path()) == model.cfg  # metadata only, for the memory plan
   assert meta["general.architecture"] == "llama"
   assert meta["llama.attention.layer_norm_rms_epsilon"] == 1e-5
   assert tok.decode(ids).startswith("<|im_start|>system")

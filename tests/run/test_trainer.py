@@ -160,6 +160,32 @@ def test_dry_run_prints_the_memory_table(capsys):
   assert "does not fit" in capsys.readouterr().out
 
 
+def test_dry_run_plans_the_checkpoint_it_loads(capsys, tmp_path):
+  """model_path= decides the architecture the memory plan sizes (config.json, no weights
+  read): a preset that names a 14B model, pointed at a tiny checkpoint, is planned as the
+  tiny one, as the trainer will build it."""
+  from sparrow_jax.models import save_pretrained
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.decoder import init_model
+  from sparrow_jax.run.builders import model_config
+  from sparrow_jax.run.config import get_train_config
+  tiny = get_config("tiny", num_layers=1)
+  save_pretrained(init_model(tiny), tmp_path / "ckpt")
+  args = ["--config", "qwen3_14b", f"model_path={tmp_path / 'ckpt'}", "--dry-run",
+          "--num-devices", "1"]
+  assert train_cli.main(args) == 0
+  out = capsys.readouterr().out
+  assert f"dry run: {tmp_path / 'ckpt'} (config.json / GGUF metadata) (0.000 B params)" in out
+  assert "fits." in out
+  cfg = get_train_config("qwen3_14b", [f"model_path={tmp_path / 'ckpt'}"])
+  assert model_config(cfg).replace(name="tiny") == tiny.replace(dtype=cfg.dtype,
+                                                                param_dtype=cfg.param_dtype)
+  # a checkpoint that is not on this machine: the preset's architecture
+  cfg = cfg.replace(model_path=str(tmp_path / "elsewhere"))
+  assert model_config(cfg) == get_config("qwen3_14b", dtype=cfg.dtype,
+                                         param_dtype=cfg.param_dtype)
+
+
 @pytest.mark.parametrize("devices", [1, 4])
 def test_flagship_preset_fits_one_and_four_h200s(capsys, devices):
   """The main command's preset runs on the hardware it names (the paper's setup is 4 GPUs)."""

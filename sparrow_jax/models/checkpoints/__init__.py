@@ -33,6 +33,29 @@ def load_pretrained(path, dtype: str = "float32", param_dtype: str | None = None
                    "safetensors) or a .gguf file")
 
 
+def checkpoint_config(path, dtype: str = "float32", param_dtype: str | None = None):
+  """The `ModelConfig` `load_pretrained(path)` would build, read from the checkpoint's
+  config.json or GGUF metadata without reading its weights (the memory plan of a run sizes
+  the model it will load). Raises as `load_pretrained` does for a path that is neither."""
+  from sparrow_jax.models.config import from_hf_config
+  from sparrow_jax.models.checkpoints import gguf as gguf_lib
+  from sparrow_jax.models.checkpoints.hf_safetensors import CONFIG_NAME, _check_dir
+
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"checkpoint not found: {path} (expected an HF checkpoint "
+                            "directory or a .gguf file)")
+  if os.path.isdir(path):
+    path = _check_dir(path)
+    return from_hf_config(os.path.join(path, CONFIG_NAME),
+                          name=os.path.basename(os.path.normpath(path)), dtype=dtype,
+                          param_dtype=param_dtype)
+  if path.endswith(".gguf"):
+    return gguf_lib.read_config(path, dtype=dtype, param_dtype=param_dtype)
+  raise ValueError(f"checkpoint {path}: expected an HF checkpoint directory (config.json + "
+                   "safetensors) or a .gguf file")
+
+
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 

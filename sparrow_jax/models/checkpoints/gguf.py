@@ -136,6 +136,37 @@ def _config(path: str, meta: dict[str, Any], names: set[str], vocab_rows: int | 
       pad_token_id=meta.get("tokenizer.ggml.padding_token_id"))
 
 
+def _open_reader(path: str):
+  import gguf
+
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"GGUF file not found: {path}")
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:
+    raise ValueError(f"cannot read GGUF file {path}: {e}") from None
+
+
+def _file_config(path: str, reader, dtype: str, param_dtype: str | None
+                 ) -> tuple[ModelConfig, dict[str, Any], dict]:
+  meta = _metadata(reader)
+  tensors = {t.name: t for t in reader.tensors}
+  embed = tensors.get("token_embd.weight")
+  # GGUF shapes are listed innermost first: token_embd is [D, V].
+  vocab_rows = int(embed.shape[-1]) if embed is not None else None
+  tok = reader.fields.get("tokenizer.ggml.tokens")
+  n_tokens = len(tok.data) if tok is not None else None
+  return (_config(path, meta, set(tensors), vocab_rows, n_tokens, dtype, param_dtype), meta,
+          tensors)
+
+
+def read_config(path, *, dtype: str = "float32", param_dtype: str | None = None
+                ) -> ModelConfig:
+  """The `ModelConfig` of a GGUF file, from its metadata (the weights are not read)."""
+  path = os.fspath(path)
+  return _file_config(path, _open_reader(path), dtype, param_dtype)[0]
+
+
 def load_gguf(path, *, dtype: str = "float32",
               param_dtype: str | None = None) -> tuple[Decoder, dict[str, Any]]:
   """Load a local GGUF file into a `Decoder`.
@@ -154,20 +185,7 @@ def load_gguf(path, *, dtype: str = "float32",
   import gguf
 
   path = os.fspath(path)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"GGUF file not found: {path}")
-  try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:
-    raise ValueError(f"cannot read GGUF file {path}: {e}") from None
-  meta = _metadata(reader)
-  tensors = {t.name: t for t in reader.tensors}
-  embed = tensors.get("token_embd.weight")
-  # GGUF shapes are listed innermost first: token_embd is [D, V].
-  vocab_rows = int(embed.shape[-1]) if embed is not None else None
-  tok = reader.fields.get("tokenizer.ggml.tokens")
-  n_tokens = len(tok.data) if tok is not None else None
-  cfg = _config(path, meta, set(tensors), vocab_rows, n_tokens, dtype, param_dtype)
+  cfg, meta, tensors = _file_config(path, _open_reader(path), dtype, param_dtype)
   arch = meta["general.architecture"]
 
   hf_names = {}
