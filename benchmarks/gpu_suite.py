@@ -136,9 +136,13 @@ FULL_ENGINE = dict(model="qwen3_1p7b", overrides={}, batch=16, chunk=8,
 # Section f: requests, prompt / generated tokens, slots and the preempting pool (in sequences
 # of the longest request it holds at once).
 # (32 requests of 256 + 512 tokens took 216 s for the dense half on the H200, past the
-# section's budget: both halves now fit it.)
-FULL_READMIT = dict(model="qwen3_1p7b", overrides={}, requests=24, prompt=256, new=256,
-                    slots=16, pool_seqs=5, chunk=16, budget=16)
+# section's budget; 24 of 256 + 256 still ran past 230 s on 2026-12-04, after section e. On
+# CPU such a half compiles 16 programs (6 for the pool that fits, 10 for the tight one, whose
+# readmissions prefill at new lengths), ~10-20 s each for the 28-layer model on the H200. Now
+# 8 of its layers and half the tokens; the log and the JSON give each run's wall time and
+# compilations.)
+FULL_READMIT = dict(model="qwen3_1p7b", overrides=dict(num_layers=8), requests=16, prompt=128,
+                    new=128, slots=8, pool_seqs=3, chunk=16, budget=8)
 SMOKE_READMIT = dict(model="tiny", overrides=dict(num_layers=2, head_dim=16), requests=3,
                      prompt=8, new=16, slots=2, pool_seqs=1, chunk=4, budget=1)
 SMOKE_ENGINE = dict(model="tiny", overrides=dict(num_layers=3, head_dim=16), batch=2, chunk=2,
@@ -451,26 +455,32 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
     sq.tokens[0], sq.num_tokens, sq.length = 5, 1, context  # one pending token on top
   kind = engine._landmark
 
-  # Donated: the random cache replaces the engine's in place (at 32K x 16 sequences of
-  # Qwen3-1.7B the pool is ~60 GB; two of them do not fit beside each other).
-  @functools.partial(jax.jit, donate_argnums=0)
-  def fill(kv, key):
-    ks, vs, lms = [], [], []
-    for i, (k, v) in enumerate(zip(kv.k, kv.v)):
-      k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-      k = jax.random.normal(k1, k.shape, k.dtype)
-      ks.append(k)
-      vs.append(jax.random.normal(k2, v.shape, v.dtype))
-      if kind == "none":
-        lms.append(())
-      else:
-        lm = selection.compute_landmarks(k, jnp.full(k.shape[:2], k.shape[2]), kind)
-        lm = lm if isinstance(lm, tuple) else (lm,)
-        lms.append(tuple(x.astype(old.dtype) for x, old in zip(lm, kv.landmarks[i])))
-    lengths = jnp.zeros_like(kv.lengths).at[:num_seqs].set(context)
-    return kv.replace(k=tuple(ks), v=tuple(vs), landmarks=tuple(lms), lengths=lengths)
+  # One layer per call, donated: the random cache replaces the engine's in place and the
+  # temporaries stay one layer's (at 32K x 16 sequences of Qwen3-1.7B the pool is ~60 GB;
+  # all 28 layers in one program asked for 22 GB of temporaries on the H200).
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+  def fill_layer(k, v, old_lms, key):
+    k1, k2 = jax.random.split(key)
+    k = jax.random.normal(k1, k.shape, k.dtype)
+    v = jax.random.normal(k2, v.shape, v.dtype)
+    if kind == "none":
+      return k, v, ()
+    lm = selection.compute_landmarks(k, jnp.full(k.shape[:2], k.shape[2]), kind)
+    lm = lm if isinstance(lm, tuple) else (lm,)
+    return k, v, tuple(x.astype(old.dtype) for x, old in zip(lm, old_lms))
 
-  engine._kv = jax.block_until_ready(fill(engine._kv, jax.random.key(seed)))
+  kv, key = engine._kv, jax.random.key(seed)
+  engine._kv = None
+  ks, vs, lms = [], [], []
+  for i in range(len(kv.k)):
+    k, v, lm = fill_layer(kv.k[i], kv.v[i], kv.landmarks[i], jax.random.fold_in(key, i))
+    jax.block_until_ready(k)
+    ks.append(k)
+    vs.append(v)
+    lms.append(lm)
+  lengths = jnp.zeros_like(kv.lengths).at[:num_seqs].set(context)
+  engine._kv = kv.replace(k=tuple(ks), v=tuple(vs), landmarks=tuple(lms), lengths=lengths)
+  del kv
   return run
 
 
@@ -575,6 +585,9 @@ def readmission_agreement(run: Run) -> dict:
     for pool, extra in (("fits", {}), ("tight", dict(num_pages=z["pool_seqs"] * per_seq + 1))):
       eng = GenerationEngine(model, EngineConfig(**base, **extra), attention=att)
       outs[pool], stats[pool] = eng.generate(reqs), eng.last_stats
+      st = stats[pool]  # progress for the log (a GPU run that hits the outer timeout)
+      print(f"[f] {name}/{pool}: {st['wall_s']:.1f} s, {st['compilations']} compilations, "
+            f"{st['preemptions']} preemptions", flush=True)
       del eng
     pre = [i for i, c in enumerate(outs["tight"]) if c.preemptions]
     same_prefix = total = identical = 0
@@ -586,13 +599,15 @@ def readmission_agreement(run: Run) -> dict:
       total += max(len(a), len(b))
       identical += int(len(a) == len(b) and not diff.size)
     rows.append(dict(attention=name, preemptions=int(stats["tight"]["preemptions"]),
+                     wall_s={p: round(st["wall_s"], 2) for p, st in stats.items()},
+                     compilations={p: int(st["compilations"]) for p, st in stats.items()},
                      preempted_requests=len(pre), identical_requests=identical,
                      identical_frac=identical / len(pre) if pre else None,
                      prefix_agreement=same_prefix / total if total else None))
   if rows and not any(r["preempted_requests"] for r in rows):
     raise CheckFailed("the tight pool preempted nothing: the section measured nothing")
-  return dict(model=mcfg.name, dtype=dtype, requests=z["requests"], prompt=z["prompt"],
-              new=z["new"], rows=rows,
+  return dict(model=mcfg.name, layers=mcfg.num_layers, dtype=dtype, requests=z["requests"],
+              prompt=z["prompt"], new=z["new"], rows=rows,
               note="tokens of preempted requests vs a pool that fits everyone; "
                    "prefix_agreement = tokens before the first difference / tokens")
 
