@@ -33,10 +33,10 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
   g main_job              `python experiments/train.py --config tiny` (the README's main job,
                           the whole trainer with the kernels at 2-token pages) in a subprocess:
                           exit status, wall time and its summary.json.
-  h preset_step           `train.py --config qwen3_1p7b` for two steps at Qwen3-1.7B's shapes
+  h preset_step           `train.py --config qwen3_1p7b` for three steps at Qwen3-1.7B's shapes
                           (random weights written as an HF directory, synthetic task, 64
-                          rollouts of 128 new tokens): phase times per step, rollout tokens/s,
-                          compilations, the final checkpoint.
+                          rollouts of 128 new tokens): phase times per step (and compile_s),
+                          rollout tokens/s, compilations, the final checkpoint.
 Sections g and h run their jobs in their own processes and go first (this process does not
 preallocate GPU memory, so those jobs get the device).
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
@@ -702,7 +702,7 @@ def _summary(out_dir: str) -> dict:
 # remat, micro-batch token budget, memory-sized KV pool, schedule, kernels) is the preset's.
 PRESET_STEP_FULL = dict(preset="qwen3_1p7b", args=(
     "data=synthetic:arithmetic", "reward=exact_match", "prompts_per_step=8",
-    "max_new_tokens=128", "num_steps=2"))
+    "max_new_tokens=128", "num_steps=3"))
 PRESET_STEP_SMOKE = dict(preset="tiny", args=("num_steps=1", "warmstart_steps=0"))
 
 _WRITE_RANDOM_CHECKPOINT = """
@@ -719,8 +719,8 @@ assert tok.vocab_size <= cfg.vocab_size
 save_pretrained(init_model(cfg, seed=0), path, tokenizer=tok)
 """
 
-_STEP_KEYS = ("time/step_s", "time/rollout_s", "time/recompute_s", "time/update_s",
-              "rollout/tokens", "rollout/tokens_per_s", "rollout/decode_steps",
+_STEP_KEYS = ("time/step_s", "time/compile_s", "time/rollout_s", "time/recompute_s",
+              "time/update_s", "rollout/tokens", "rollout/tokens_per_s", "rollout/decode_steps",
               "rollout/preemptions", "rollout/pool_high_water_frac", "response/len_mean",
               "batch/micro_batches", "compilations", "mismatch/p5_overall", "loss/total",
               "grad_norm")
@@ -728,9 +728,10 @@ _STEP_KEYS = ("time/step_s", "time/rollout_s", "time/recompute_s", "time/update_
 
 @section("h", "preset_step", budget_s=300, own_process=True)
 def preset_step(run: Run) -> dict:
-  """`train.py --config qwen3_1p7b` for two steps on this GPU at Qwen3-1.7B's shapes (random
-  weights, 64 rollouts of 128 new tokens): per-step phase times, rollout tokens/s, pool use,
-  compilations, and the final checkpoint written. Fails on a non-zero exit or the guard."""
+  """`train.py --config qwen3_1p7b` for three steps on this GPU at Qwen3-1.7B's shapes (random
+  weights, 64 rollouts of 128 new tokens): per-step phase times and the part of them that was
+  compilation (step 2 compiled the update again on 2026-12-04: a new length bucket), rollout
+  tokens/s, pool use, compilations, and the final checkpoint written. Fails on a non-zero exit or the guard."""
   import tempfile
 
   z = PRESET_STEP_SMOKE if run.smoke else PRESET_STEP_FULL

@@ -100,7 +100,8 @@ def test_smoke_run_writes_every_section(tmp_path):
   (step,) = preset["steps"]
   assert step["step"] == 1 and step["rollout/tokens"] == preset["summary"]["generated_tokens"]
   assert all(_positive(step[k]) for k in ("time/step_s", "time/rollout_s", "time/update_s",
-                                          "rollout/tokens_per_s"))
+                                          "rollout/tokens_per_s", "time/compile_s"))
+  assert step["time/compile_s"] < step["time/step_s"]  # the first step compiles, among others
 
 
 def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):

@@ -41,6 +41,7 @@ from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl.monitor import lower_bound_alpha
 from sparrow_jax.rl.switching import alpha_tails_per_bin
+from sparrow_jax.run import compile_clock
 from sparrow_jax.run import microbatch as mb_lib
 from sparrow_jax.run.builders import _frac_zero_var
 
@@ -272,10 +273,13 @@ def run_step(tr, step: int, pipeline=None) -> StepBatch:
   """Run every stage of `pipeline` (default `PIPELINE`; a profiler passes it with its stages
   wrapped) on a fresh step batch; returns it (metrics in `.out`)."""
   sb = StepBatch(step=step)
+  c0 = compile_clock.seconds()
   t0 = time.perf_counter()
   for name, stage in (PIPELINE if pipeline is None else pipeline):
     t1 = time.perf_counter()
     stage(tr, sb)
     sb.times.setdefault(name, time.perf_counter() - t1)
   sb.out["time/step_s"] = time.perf_counter() - t0
+  # Part of the phase times above that was compilation (lowering + XLA), in any phase.
+  sb.out["time/compile_s"] = compile_clock.seconds() - c0
   return sb

@@ -93,3 +93,22 @@ def test_summary_counts_steps_below_tau():
           for s in range(1, 10)]
   assert summarize(hist)["steps_below_tau"] == 3
   assert "steps_below_tau" not in summarize([{"step": 1, "reward/mean": 0.5}])  # no monitor
+
+
+def test_compile_clock_counts_compilations_not_cached_calls():
+  """time/compile_s's source: lowering + XLA compilation seconds, grown by a new program (or a
+  new shape of one), not by calling a compiled one again."""
+  import jax
+  import jax.numpy as jnp
+  from sparrow_jax.run import compile_clock
+
+  f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum())
+  t0 = compile_clock.seconds()
+  f(jnp.ones((8, 8))).block_until_ready()
+  t1 = compile_clock.seconds()
+  for _ in range(3):
+    f(jnp.ones((8, 8))).block_until_ready()
+  t2 = compile_clock.seconds()
+  f(jnp.ones((16, 8))).block_until_ready()  # a new shape compiles again
+  t3 = compile_clock.seconds()
+  assert t1 > t0 and t2 == t1 and t3 > t2
