@@ -12,5 +12,5 @@ from sparrow_jax.models.checkpoints import (checkpoint_config, load_pretrained, 
 from sparrow_jax.models.config import PRESETS, ModelConfig, from_hf_config, get_config
 from sparrow_jax.models.decoder import Decoder, init_model
 
-__all__ = ["checkpoint_config", "load_pretrained", "save_pretrained", "load_tokenizer", "ModelConfig", "PRESETS",
-           "get_config", "from_hf_config", "Decoder", "init_model"]
+__all__ = ["checkpoint_config", "load_pretrained", "save_pretrained", "load_tokenizer",
+           "ModelConfig", "PRESETS", "get_config", "from_hf_config", "Decoder", "init_model"]
