@@ -21,7 +21,7 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           ms and GB/s of the sequences' own K/V pages.
   e engine_decode         the generation engine's decode step, dense vs the published
                           `qwen3-1.7b-0.86` schedule, random-init Qwen3-1.7B (bf16), batch 16,
-                          at 32K/8K/16K tokens held (contexts filled with random K/V and their
+                          at 32K/16K/8K tokens held (contexts filled with random K/V and their
                           landmarks instead of a prefill): ms/step, tokens/s, speedup.
   f readmission_agreement the same requests (temperature 1) through a pool that forces
                           preemptions and one that fits everyone, dense and block-sparse on
@@ -480,7 +480,6 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
     lms.append(lm)
   lengths = jnp.zeros_like(kv.lengths).at[:num_seqs].set(context)
   engine._kv = kv.replace(k=tuple(ks), v=tuple(vs), landmarks=tuple(lms), lengths=lengths)
-  del kv
   return run
 
 
@@ -731,7 +730,8 @@ def preset_step(run: Run) -> dict:
   """`train.py --config qwen3_1p7b` for three steps on this GPU at Qwen3-1.7B's shapes (random
   weights, 64 rollouts of 128 new tokens): per-step phase times and the part of them that was
   compilation (step 2 compiled the update again on 2026-12-04: a new length bucket), rollout
-  tokens/s, pool use, compilations, and the final checkpoint written. Fails on a non-zero exit or the guard."""
+  tokens/s, pool use, compilations, and the final checkpoint written. Fails on a non-zero exit
+  or the guard."""
   import tempfile
 
   z = PRESET_STEP_SMOKE if run.smoke else PRESET_STEP_FULL

@@ -88,35 +88,38 @@ def selections(q, k, positions, budgets, kind, landmark_dtype, max_budget):
   return jnp.zeros(scores.shape, bool).at[rows, heads, idx].max(ok)
 
 
-def alpha_rows(model, tokens, budgets, *, landmark_dtypes, temperature: float, max_budget: int):
+def alpha_rows(model, tokens, budgets, *, landmark_dtypes, temperature: float):
   """Exact acceptance rate alpha_t = sum_v min(p_dense, q_sparse) of every position of one
   teacher-forced text, for the sparse actor with landmarks kept in each of `landmark_dtypes`
-  (mean landmarks, pages of 16, layers 0-1 dense, 1 bos + 2 recent reserved; `budgets` [T]).
-  Returns {dtype: float64 [T]}."""
+  (mean landmarks, pages of 16, layers 0-1 dense, 1 bos + 2 recent reserved), at each budget
+  of `budgets` ({name: int [T] pages per position}); the dense forward runs once.
+  Returns {name: {dtype: float64 [T]}}."""
   from flax import nnx
 
   from sparrow_jax.models import attention as attn_lib
 
   tokens = jnp.asarray(tokens, jnp.int32)
-  b = jnp.asarray(budgets, jnp.int32)[None]
   graphdef, state = nnx.split(model)  # weights as arguments, not constants to fold
 
   @functools.partial(jax.jit, static_argnames=("spec",))
   def probs(state, tokens, b, spec):
     m = nnx.merge(graphdef, state)
-    h = m.hidden_states(tokens, attention=spec, budgets=b if spec is not None else None)
+    h = m.hidden_states(tokens, attention=spec, budgets=b)
     return jax.nn.softmax(m.logits(h)[0] / temperature, axis=-1)  # [T, V]
 
   @jax.jit
   def alpha(p, q):
     return jnp.minimum(p, q).sum(-1)
 
-  dense = probs(state, tokens, b, None)
+  dense = probs(state, tokens, None, None)
   out = {}
-  for dt in landmark_dtypes:
-    spec = attn_lib.BlockSparse(max_budget=max_budget, page_size=PAGE, landmark="mean",
-                                dense_layers=(0, 1), landmark_dtype=dt)
-    out[dt] = np.asarray(alpha(dense, probs(state, tokens, b, spec)), np.float64)
+  for name, per_pos in budgets.items():
+    b = jnp.asarray(per_pos, jnp.int32)[None]
+    out[name] = {}
+    for dt in landmark_dtypes:
+      spec = attn_lib.BlockSparse(max_budget=int(np.max(per_pos)), page_size=PAGE,
+                                  landmark="mean", dense_layers=(0, 1), landmark_dtype=dt)
+      out[name][dt] = np.asarray(alpha(dense, probs(state, tokens, b, spec)), np.float64)
   return out
 
 
@@ -209,13 +212,12 @@ def alpha_report(model, tok, args, budgets) -> int:
       print(f"skip {text_path}: {t} tokens", file=sys.stderr)
       continue
     pos = np.arange(t)
+    per_pos = {b: (schedule_budget(pos) if b == "schedule" else np.full(t, int(b), np.int32))
+               for b in budgets}
+    a = alpha_rows(model, [ids], per_pos, landmark_dtypes=dts, temperature=args.temperature)
     for budget in budgets:
-      per_pos = (schedule_budget(pos) if budget == "schedule"
-                 else np.full(t, int(budget), np.int32))
-      a = alpha_rows(model, [ids], per_pos, landmark_dtypes=dts,
-                     temperature=args.temperature, max_budget=int(per_pos.max()))
       for dt in dts:
-        res[budget][dt].append(np.stack([pos, a[dt]], axis=1)[args.start:])
+        res[budget][dt].append(np.stack([pos, a[budget][dt]], axis=1)[args.start:])
     print(f"{os.path.basename(text_path)}: {t} tokens ({time.perf_counter() - t0:.0f} s)",
           file=sys.stderr, flush=True)
   print(f"SmolLM2-135M-Instruct (float32), exact alpha vs the dense policy at T="

@@ -62,11 +62,10 @@ def test_landmark_alpha_is_one_when_the_budget_holds_every_page():
   model = init_model(get_config("tiny", num_layers=3, dtype="float32"), seed=0)
   ids = list(np.random.default_rng(0).integers(3, 200, 128))  # 8 pages of 16
   dts = ("float32", "bfloat16")
-  full = lm.alpha_rows(model, [ids], np.full(128, 8), landmark_dtypes=dts, temperature=1.0,
-                       max_budget=8)
+  res = lm.alpha_rows(model, [ids], {"full": np.full(128, 8), "one": np.full(128, 1)},
+                     landmark_dtypes=dts, temperature=1.0)
+  full, one = res["full"], res["one"]
   for dt in dts:
     np.testing.assert_allclose(full[dt], 1.0, atol=1e-5)
-  one = lm.alpha_rows(model, [ids], np.full(128, 1), landmark_dtypes=dts, temperature=1.0,
-                      max_budget=1)
   assert all(one[dt][64:].min() < 0.999 for dt in dts)
   np.testing.assert_allclose(one["float32"][:48], 1.0, atol=1e-5)  # <= 1 + bos + 2 recent

@@ -11,9 +11,27 @@ from __future__ import annotations
 import os
 
 from sparrow_jax.models.checkpoints.gguf import load_gguf
+from sparrow_jax.models.checkpoints.gguf import read_config as gguf_read_config
 from sparrow_jax.models.checkpoints.hf_safetensors import load_hf_dir, save_hf_dir
+from sparrow_jax.models.checkpoints.hf_safetensors import read_config as hf_read_config
 from sparrow_jax.models.checkpoints.tokenizer import load_tokenizer, save_tokenizer
+from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.models.decoder import Decoder
+
+
+def _checkpoint_kind(path) -> tuple[str, str]:
+  """(path, "hf" | "gguf") of a local checkpoint; FileNotFoundError for a missing path,
+  ValueError for anything that is neither an HF directory nor a `.gguf` file."""
+  path = os.fspath(path)
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"checkpoint not found: {path} (expected an HF checkpoint "
+                            "directory or a .gguf file)")
+  if os.path.isdir(path):
+    return path, "hf"
+  if path.endswith(".gguf"):
+    return path, "gguf"
+  raise ValueError(f"checkpoint {path}: expected an HF checkpoint directory (config.json + "
+                   "safetensors) or a .gguf file")
 
 
 def load_pretrained(path, dtype: str = "float32", param_dtype: str | None = None) -> Decoder:
@@ -21,39 +39,20 @@ def load_pretrained(path, dtype: str = "float32", param_dtype: str | None = None
 
   Raises FileNotFoundError for a missing path and ValueError for anything that is neither.
   """
-  path = os.fspath(path)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"checkpoint not found: {path} (expected an HF checkpoint "
-                            "directory or a .gguf file)")
-  if os.path.isdir(path):
+  path, kind = _checkpoint_kind(path)
+  if kind == "hf":
     return load_hf_dir(path, dtype=dtype, param_dtype=param_dtype)
-  if path.endswith(".gguf"):
-    return load_gguf(path, dtype=dtype, param_dtype=param_dtype)[0]
-  raise ValueError(f"checkpoint {path}: expected an HF checkpoint directory (config.json + "
-                   "safetensors) or a .gguf file")
+  return load_gguf(path, dtype=dtype, param_dtype=param_dtype)[0]
 
 
-def checkpoint_config(path, dtype: str = "float32", param_dtype: str | None = None):
+def checkpoint_config(path, dtype: str = "float32", param_dtype: str | None = None
+                      ) -> ModelConfig:
   """The `ModelConfig` `load_pretrained(path)` would build, read from the checkpoint's
   config.json or GGUF metadata without reading its weights (the memory plan of a run sizes
   the model it will load). Raises as `load_pretrained` does for a path that is neither."""
-  from sparrow_jax.models.config import from_hf_config
-  from sparrow_jax.models.checkpoints import gguf as gguf_lib
-  from sparrow_jax.models.checkpoints.hf_safetensors import CONFIG_NAME, _check_dir
-
-  path = os.fspath(path)
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"checkpoint not found: {path} (expected an HF checkpoint "
-                            "directory or a .gguf file)")
-  if os.path.isdir(path):
-    path = _check_dir(path)
-    return from_hf_config(os.path.join(path, CONFIG_NAME),
-                          name=os.path.basename(os.path.normpath(path)), dtype=dtype,
-                          param_dtype=param_dtype)
-  if path.endswith(".gguf"):
-    return gguf_lib.read_config(path, dtype=dtype, param_dtype=param_dtype)
-  raise ValueError(f"checkpoint {path}: expected an HF checkpoint directory (config.json + "
-                   "safetensors) or a .gguf file")
+  path, kind = _checkpoint_kind(path)
+  read = hf_read_config if kind == "hf" else gguf_read_config
+  return read(path, dtype=dtype, param_dtype=param_dtype)
 
 
 _EXPORT_DTYPES = ("float32", "bfloat16", "float16")

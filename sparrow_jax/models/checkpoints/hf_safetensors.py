@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from sparrow_jax.models.checkpoints import keymap
-from sparrow_jax.models.config import from_hf_config, to_hf_config
+from sparrow_jax.models.config import ModelConfig, from_hf_config, to_hf_config
 from sparrow_jax.models.decoder import Decoder
 
 CONFIG_NAME = "config.json"
@@ -92,6 +92,16 @@ def _check_dir(path) -> str:
   return path
 
 
+def read_config(path, *, dtype: str = "float32", param_dtype: str | None = None
+                ) -> ModelConfig:
+  """The `ModelConfig` of an HF checkpoint directory, from its config.json (no weights read);
+  named after the directory."""
+  path = _check_dir(path)
+  return from_hf_config(os.path.join(path, CONFIG_NAME),
+                        name=os.path.basename(os.path.normpath(path)), dtype=dtype,
+                        param_dtype=param_dtype)
+
+
 def load_hf_dir(path, *, dtype: str = "float32", param_dtype: str | None = None) -> Decoder:
   """Load a local HF checkpoint directory into a `Decoder`.
 
@@ -106,9 +116,7 @@ def load_hf_dir(path, *, dtype: str = "float32", param_dtype: str | None = None)
       missing/unexpected tensor or wrong shape (each named).
   """
   path = _check_dir(path)
-  cfg = from_hf_config(os.path.join(path, CONFIG_NAME),
-                       name=os.path.basename(os.path.normpath(path)), dtype=dtype,
-                       param_dtype=param_dtype)
+  cfg = read_config(path, dtype=dtype, param_dtype=param_dtype)
   files = _weight_files(path)
   with contextlib.ExitStack() as stack:
     handles = {}
