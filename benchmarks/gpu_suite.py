@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_suite.py --out gpu_suite.json              # one H200, < 10 minutes
     python benchmarks/gpu_suite.py --sections a,c --out part.json    # some sections only
+    python benchmarks/gpu_suite.py --sections e --contexts 32768 --out e.json  # one context
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json     # CPU, interpret mode
 
 Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
@@ -436,6 +437,44 @@ def dense_baseline(run: Run) -> dict:
               rel_diff_vs_xla=agreement, dense_over_sparse_step=speedup)
 
 
+FILL_PIECE_PAGES = 1024  # pages of one layer the context filler writes per loop iteration
+
+
+# One layer per call, donated, and within it pieces of `FILL_PIECE_PAGES` pages written in
+# place by a loop: the temporaries stay a piece's (at 32K x 16 sequences of Qwen3-1.7B the
+# pool is ~60 GB; all 28 layers in one program asked for 22 GB of temporaries on the H200,
+# and one whole layer's float32 keys for the landmarks, 2 GiB, still failed to find room
+# beside the pool on 2026-12-04).
+def make_fill_layer(kind: str, piece_pages: int = FILL_PIECE_PAGES):
+  """fill_layer(k, v, landmarks, key) -> the same buffers (donated) holding random K/V and the
+  landmarks of those keys, written `piece_pages` pages at a time."""
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+  def fill_layer(k, v, old_lms, key):
+    heads, pages = k.shape[:2]
+    piece = min(pages, piece_pages)
+    shape = (heads, piece) + k.shape[2:]
+
+    def body(i, carry):
+      k, v, lms = carry
+      start = jnp.minimum(i * piece, pages - piece)  # the last piece overlaps the one before
+      k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+      kp = jax.random.normal(k1, shape, k.dtype)
+      k = jax.lax.dynamic_update_slice_in_dim(k, kp, start, axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(
+          v, jax.random.normal(k2, shape, v.dtype), start, axis=1)
+      if kind != "none":
+        lm = selection.compute_landmarks(kp, jnp.full(shape[:2], shape[2]), kind)
+        lm = lm if isinstance(lm, tuple) else (lm,)
+        lms = tuple(jax.lax.dynamic_update_slice_in_dim(old, x.astype(old.dtype), start, axis=1)
+                    for x, old in zip(lm, lms))
+      return k, v, lms
+
+    return jax.lax.fori_loop(0, -(-pages // piece), body, (k, v, tuple(old_lms)))
+
+  return fill_layer
+
+
 def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
   """Admit `num_seqs` sequences holding `context` tokens each into `engine` without a prefill:
   every pool page gets random K/V (decode cost does not depend on the values) and landmarks
@@ -453,22 +492,7 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
   assert len(admitted) == num_seqs, "the pool must hold every sequence"
   for sq in admitted:
     sq.tokens[0], sq.num_tokens, sq.length = 5, 1, context  # one pending token on top
-  kind = engine._landmark
-
-  # One layer per call, donated: the random cache replaces the engine's in place and the
-  # temporaries stay one layer's (at 32K x 16 sequences of Qwen3-1.7B the pool is ~60 GB;
-  # all 28 layers in one program asked for 22 GB of temporaries on the H200).
-  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-  def fill_layer(k, v, old_lms, key):
-    k1, k2 = jax.random.split(key)
-    k = jax.random.normal(k1, k.shape, k.dtype)
-    v = jax.random.normal(k2, v.shape, v.dtype)
-    if kind == "none":
-      return k, v, ()
-    lm = selection.compute_landmarks(k, jnp.full(k.shape[:2], k.shape[2]), kind)
-    lm = lm if isinstance(lm, tuple) else (lm,)
-    return k, v, tuple(x.astype(old.dtype) for x, old in zip(lm, old_lms))
-
+  fill_layer = make_fill_layer(engine._landmark)
   kv, key = engine._kv, jax.random.key(seed)
   engine._kv = None
   ks, vs, lms = [], [], []
@@ -529,6 +553,7 @@ def engine_decode(run: Run) -> dict:
         eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
         sched = fill_random_context(eng, z["batch"], ctx)
         out[name] = decode_step_ms(run, eng, sched, steps)
+        print(f"[e] {ctx} {name}: {out[name]:.3f} ms/step", flush=True)
       except jax.errors.JaxRuntimeError as e:  # e.g. out of memory at one context: the
         errors[name] = str(e).split("\n")[0][:300]  # other contexts are still measured
       del eng, sched
@@ -840,6 +865,9 @@ def main(argv=None, suite: Suite | None = None) -> int:
                   help="tiny shapes on CPU, kernels in interpret mode")
   ap.add_argument("--budget-s", type=float, default=540.0,
                   help="time guard of the whole run in seconds (default 540)")
+  ap.add_argument("--contexts", default=None,
+                  help="section e's contexts in tokens, comma-separated, measured in this order "
+                       "(default: the suite's, longest first)")
   args = ap.parse_args(argv)
   # Before jax starts a backend: this process allocates what it uses instead of 75% of the
   # GPU up front, so the jobs of the own-process sections get the device's memory; and it may
@@ -862,6 +890,17 @@ def main(argv=None, suite: Suite | None = None) -> int:
   if not args.budget_s > 0:
     print(f"{suite.name}: --budget-s={args.budget_s}: expected > 0", file=sys.stderr)
     return 2
+  engine = suite.smoke_engine if args.smoke else suite.full_engine
+  if args.contexts is not None:
+    try:
+      contexts = tuple(int(c) for c in args.contexts.split(","))
+      if not contexts or min(contexts) <= 0:
+        raise ValueError
+    except ValueError:
+      print(f"{suite.name}: --contexts={args.contexts!r}: expected positive token counts, "
+            "comma-separated", file=sys.stderr)
+      return 2
+    engine = dict(engine, contexts=contexts)
   if not args.smoke and jax.default_backend() != suite.platform:
     print(f"{suite.name}: the full suite needs a {suite.platform.upper()} (jax backend is "
           f"{jax.default_backend()!r}); use --smoke on CPU", file=sys.stderr)
@@ -871,7 +910,7 @@ def main(argv=None, suite: Suite | None = None) -> int:
   chosen = sorted(chosen, key=lambda sec: not sec.own_process)
   run = Run(suite.smoke if args.smoke else suite.full, args.smoke, args.budget_s,
             backend=suite.smoke_backend if args.smoke else suite.backend,
-            engine=suite.smoke_engine if args.smoke else suite.full_engine)
+            engine=engine)
   record = dict(meta=meta(argv), smoke=args.smoke, sections={})
   _write(args.out, record)
   t_start = time.monotonic()

@@ -137,6 +137,9 @@ def test_bad_arguments_exit_2(suite, tmp_path, capsys):
   assert suite.main(["--smoke", "--out", str(tmp_path / "missing" / "r.json")]) == 2
   assert "does not exist" in capsys.readouterr().err
   assert suite.main(["--smoke", "--budget-s", "0", "--out", out]) == 2
+  for bad in ("0", "8192,x", ""):
+    assert suite.main(["--smoke", "--contexts", bad, "--out", out]) == 2
+    assert "--contexts" in capsys.readouterr().err
   if suite.jax.default_backend() != "gpu":  # the full suite refuses to run without a GPU
     assert suite.main(["--out", out]) == 2
     assert "needs a GPU" in capsys.readouterr().err
@@ -176,3 +179,42 @@ def test_job_sections_report_a_failed_or_stuck_job_with_its_last_output(suite, t
   assert suite.main(["--smoke", "--sections", "x", "--out", str(out)]) == 0
   res = json.loads(out.read_text())["sections"]["x_env"]["results"]
   assert res == {"job": "[None, None]", "suite": ["false", "0.9"]}
+
+
+@pytest.mark.parametrize("kind", ["mean", "quest", "none"])
+def test_context_filler_writes_every_page_and_its_landmarks_in_pieces(suite, kind):
+  jnp = suite.jnp
+  k = jnp.zeros((2, 8, 4, 16), jnp.bfloat16)  # [kv heads, pages, page size, head dim]
+  n_lm = {"mean": 1, "quest": 2, "none": 0}[kind]
+  lms = tuple(jnp.zeros((2, 8, 16), jnp.bfloat16) for _ in range(n_lm))
+  # 3-page pieces over 8 pages: the last piece overlaps the one before it
+  k2, v2, lm2 = suite.make_fill_layer(kind, piece_pages=3)(k, jnp.zeros_like(k), lms,
+                                                            suite.jax.random.key(1))
+  assert k2.dtype == v2.dtype == jnp.bfloat16 and k2.shape == v2.shape == k.shape
+  for x in (k2, v2):  # every page holds random values, K and V differ
+    assert bool(jnp.all(jnp.any(x != 0, axis=(0, 2, 3))))
+  assert not bool(jnp.array_equal(k2, v2))
+  # the landmarks are those of the keys now in the pool (pieces written where they belong)
+  want = suite.selection.compute_landmarks(k2, jnp.full((2, 8), 4), kind) if n_lm else ()
+  want = want if isinstance(want, tuple) else (want,)
+  assert len(lm2) == n_lm
+  for got, ref in zip(lm2, want):
+    # up to the keys' bf16 rounding (half an ulp below 4: 2**-8): XLA may average the random
+    # keys before rounding them (excess precision); a misplaced piece is off by ~0.5
+    assert got.dtype == jnp.bfloat16
+    suite.np.testing.assert_allclose(got.astype(jnp.float32), ref, rtol=2 ** -7, atol=2 ** -7)
+
+
+def test_context_filler_temporaries_stay_a_piece_at_qwen3_1p7b_32k(suite):
+  """16 sequences x 32K tokens of Qwen3-1.7B: a layer's K is 1.08 GB of bf16. The filler runs
+  donated (outputs alias the pool) with temporaries a fraction of one layer: a whole layer's
+  float32 keys (2.16 GB) did not find room beside the 60 GB pool on the H200."""
+  jax, jnp = suite.jax, suite.jnp
+  pages = 16 * (32768 + 160) // 16  # the suite's engine pool at 32K
+  k = jax.ShapeDtypeStruct((8, pages, 16, 128), jnp.bfloat16)
+  lm = (jax.ShapeDtypeStruct((8, pages, 128), jnp.bfloat16),)
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  mem = suite.make_fill_layer("mean").lower(k, k, lm, key).compile().memory_analysis()
+  layer = 8 * pages * 16 * 128 * 2
+  assert mem.alias_size_in_bytes == 2 * layer + 8 * pages * 128 * 2  # K, V, landmarks in place
+  assert mem.temp_size_in_bytes < 0.6 * layer, mem.temp_size_in_bytes
