@@ -38,6 +38,9 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           (random weights written as an HF directory, synthetic task, 64
                           rollouts of 128 new tokens): phase times per step (and compile_s),
                           rollout tokens/s, compilations, the final checkpoint.
+  i engine_profile        section e's engines (sparse, then dense) at its first context under
+                          the profiler: device time per decode step by kernel, from the
+                          perfetto trace, beside the step's wall time.
 Sections g and h run their jobs in their own processes and go first (this process does not
 preallocate GPU memory, so those jobs get the device).
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
@@ -634,6 +637,105 @@ def readmission_agreement(run: Run) -> dict:
               prompt=z["prompt"], new=z["new"], rows=rows,
               note="tokens of preempted requests vs a pool that fits everyone; "
                    "prefix_agreement = tokens before the first difference / tokens")
+
+
+def trace_summary(trace_dir: str, steps: int, top: int = 30) -> dict:
+  """Device time by kernel from the perfetto trace `jax.profiler.trace(create_perfetto_trace=
+  True)` wrote under `trace_dir`: per thread of the device processes (GPU streams; the host's
+  XLA threads on CPU), microseconds per decode step of every kernel name, its calls per step
+  and the thread's busy time per step; the `top` largest kernels of each thread."""
+  import collections
+  import glob
+  import gzip
+
+  paths = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+  if not paths:
+    raise CheckFailed(f"no perfetto trace under {trace_dir}")
+  with gzip.open(max(paths, key=os.path.getmtime)) as f:
+    data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  procs, threads = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      procs[e["pid"]] = e["args"]["name"]
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      threads[(e["pid"], e["tid"])] = e["args"]["name"]
+  device_pids = {pid for pid, name in procs.items() if "/device:" in name}
+  if not device_pids:  # CPU: the XLA client's threads of the host process
+    device_pids = set(procs)
+  busy = collections.defaultdict(float)
+  kernels = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0]))
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in device_pids:
+      continue
+    thread = f"{procs[e['pid']]} / {threads.get((e['pid'], e['tid']), e['tid'])}"
+    if thread.endswith("/ python") or e["name"].startswith(("end: ", "$")):
+      continue
+    busy[thread] += e["dur"]
+    k = kernels[thread][e["name"]]
+    k[0] += e["dur"]
+    k[1] += 1
+    if len(k) == 2:  # what the first call says about the kernel (its HLO op, module)
+      k.append({a: str(v)[:200] for a, v in (e.get("args") or {}).items()
+                if a in ("hlo_op", "hlo_module", "long_name", "tf_op")})
+  out = {}
+  for thread, total in sorted(busy.items(), key=lambda kv: -kv[1]):
+    rows = sorted(kernels[thread].items(), key=lambda kv: -kv[1][0])[:top]
+    out[thread] = dict(busy_us_per_step=total / steps,
+                       kernels=[dict(name=n[:160], us_per_step=k[0] / steps,
+                                     calls_per_step=k[1] / steps, **k[2])
+                                for n, k in rows])
+  return out
+
+
+@section("i", "engine_profile", budget_s=120)
+def engine_profile(run: Run) -> dict:
+  """Where the sparse engine's decode step goes: the engine of section e (published schedule,
+  16 sequences) at its first context, a few decode chunks under the profiler, device time by
+  kernel per step (`trace_summary`) beside the step's wall time; then the same for the dense
+  engine. On 2026-12-04 the sparse step at 32K took 12.96 ms where its bytes allow ~6.6."""
+  import tempfile
+
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.decoder import init_model
+  from sparrow_jax.schedule import get_schedule
+  from sparrow_jax.schedule.schedule import attention_spec
+
+  z = run.engine
+  ctx, steps, chunks = z["contexts"][0], z["chunk"], 3
+  mcfg = get_config(z["model"], dtype="bfloat16", param_dtype="bfloat16", **z["overrides"])
+  model = init_model(mcfg)
+  sched_ = get_schedule("qwen3-1.7b-0.86")
+  backend = run.backend.value
+  max_len = ctx + steps * (chunks + 2) + sched_.page_size
+  ecfg = EngineConfig(num_slots=z["batch"], max_seq_len=max_len, page_size=sched_.page_size,
+                      decode_chunk=steps)
+  result = dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, context=ctx,
+                batch=z["batch"], steps=steps * chunks)
+  for name, att, sch in (
+      ("sparse", attention_spec(sched_, max_position=max_len, backend=backend), sched_),
+      ("dense", attn_lib.Dense(backend=backend), None)):
+    if not run.has_time(name):
+      continue
+    eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
+    state = fill_random_context(eng, z["batch"], ctx)
+    eng._decode_chunk(state, state.sched.grow())  # compile
+    jax.block_until_ready(eng._kv.k[0])
+    with tempfile.TemporaryDirectory() as tmp:
+      t0 = time.perf_counter()
+      with jax.profiler.trace(tmp, create_perfetto_trace=True):
+        for _ in range(chunks):
+          eng._decode_chunk(state, state.sched.grow())
+        jax.block_until_ready(eng._kv.k[0])
+      wall = time.perf_counter() - t0
+      result[name] = dict(wall_ms_per_step_profiled=1e3 * wall / (steps * chunks),
+                          threads=trace_summary(tmp, steps * chunks))
+    print(f"[i] {ctx} {name}: profiled", flush=True)
+    del eng, state
+    gc.collect()
+  return result
 
 
 # Section g: the README's main job. The full run is the embedded default as the README gives

@@ -45,7 +45,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   # the sections that run jobs in their own processes first, then the rest in letter order
   assert list(sections) == ["g_main_job", "h_preset_step", "a_kernels_vs_reference",
                             "b_copy_bandwidth", "c_sparse_bandwidth", "d_dense_baseline",
-                            "e_engine_decode", "f_readmission_agreement"]
+                            "e_engine_decode", "f_readmission_agreement", "i_engine_profile"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
 
   checks = sections["a_kernels_vs_reference"]["results"]["checks"]
@@ -88,6 +88,17 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert [r["attention"] for r in readmit["rows"]] == ["dense", "sparse"]
   for r in readmit["rows"]:  # on CPU a readmission changes no token
     assert r["preempted_requests"] > 0 and r["identical_frac"] == r["prefix_agreement"] == 1.0
+
+  prof = sections["i_engine_profile"]["results"]
+  assert prof["context"] == 256 and prof["steps"] == 3 * 2  # three chunks of two steps
+  for name in ("sparse", "dense"):
+    assert _positive(prof[name]["wall_ms_per_step_profiled"])
+    threads = prof[name]["threads"]
+    assert threads and all(_positive(t["busy_us_per_step"]) and t["kernels"]
+                           for t in threads.values())
+    for t in threads.values():
+      assert all(_positive(k["us_per_step"]) and _positive(k["calls_per_step"])
+                 for k in t["kernels"])
 
   job = sections["g_main_job"]["results"]
   assert job["command"] == "python experiments/train.py --config tiny num_steps=1 warmstart_steps=0"
