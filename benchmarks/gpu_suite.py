@@ -14,9 +14,10 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
   c sparse_bandwidth      the sparse kernel at batch 64, 32K context, Qwen3-1.7B attention
                           (16 q / 8 kv heads x 128, bf16 cache, page 16), budgets 64-512 pages:
                           bytes of the selected K/V pages / kernel time, and as % of (b); page
-                          scoring (landmark gather + scores) with float32 and with bf16
-                          landmarks, top-k, and the whole sparse step (scoring + top-k +
-                          kernel) with either landmark dtype.
+                          scoring (landmark gather + scores in XLA, and the page-score
+                          kernel) with float32 and with bf16 landmarks, top-k, and the whole
+                          sparse step (kernel scoring + top-k + kernel) with either landmark
+                          dtype.
   d dense_baseline        dense paged decode at the same shape: our kernel (a few launch
                           configs), jax's `pallas.ops.gpu.paged_attention` and the XLA path, in
                           ms and GB/s of the sequences' own K/V pages.
@@ -82,7 +83,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sparrow_jax.pallas_kernels import dispatch, reference, selection  # noqa: E402
+from sparrow_jax.pallas_kernels import dispatch, page_scores, reference, selection  # noqa: E402
 from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig  # noqa: E402
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig  # noqa: E402
 
@@ -354,13 +355,19 @@ def sparse_bandwidth(run: Run) -> dict:
   landmarks = {"float32": lm32, "bfloat16": lm32.astype(jnp.bfloat16)}  # [K, P, D]
   score = jax.jit(lambda q, lm, table: selection.score_pages(
       q, selection.gather_landmarks(lm, table), "mean"))
-  score_ms, lm_bytes = {}, {}
+  num_pages = (lengths + z.page_size - 1) // z.page_size
+  scorer = dispatch.page_scorer(run.backend)
+  score_kernel = jax.jit(lambda q, lm, table, n: page_scores.page_scores(
+      selection.group_mean_queries(q, lm.shape[0]), lm, table, n,
+      interpret=scorer == "pallas_interpret"))
+  score_ms, score_kernel_ms, lm_bytes = {}, {}, {}
   for name, lm in landmarks.items():
     if run.has_time(f"score {name}"):
       score_ms[name] = run.time_ms(score, q, lm, table)
+      if scorer != "xla":  # the Triton page-score kernel (not on the TPU backends)
+        score_kernel_ms[name] = run.time_ms(score_kernel, q, lm, table, num_pages)
       lm_bytes[name] = int(np.prod(table.shape)) * z.kv_heads * z.head_dim * lm.dtype.itemsize
   scores = score(q, lm32, table)  # [B, K, M]
-  num_pages = (lengths + z.page_size - 1) // z.page_size
   slot_multiple = z.sparse_config.slot_multiple()
   rows = []
   for budget in z.budgets:
@@ -378,7 +385,7 @@ def sparse_bandwidth(run: Run) -> dict:
     def step(q, k_pages, v_pages, table, lengths, lm, budgets, max_budget):
       idx, ok = selection.select_decode_pages(
           q, lm, table, lengths, budgets, kind="mean", max_budget=max_budget,
-          page_size=z.page_size, slot_multiple=slot_multiple)
+          page_size=z.page_size, slot_multiple=slot_multiple, scorer=scorer)
       return dispatch.sparse_decode_attention(q, k_pages, v_pages, table, lengths, idx, ok,
                                               backend=run.backend, config=z.sparse_config)
 
@@ -392,7 +399,8 @@ def sparse_bandwidth(run: Run) -> dict:
                      step_ms_bf16_landmarks=step_ms["bfloat16"]))
   run.cache["sparse_step_ms"] = {r["budget"]: r["step_ms_bf16_landmarks"] for r in rows}
   return dict(shape=_bench_shape(run), config=dataclasses.asdict(z.sparse_config),
-              copy_gbps=copy, score_ms=score_ms, landmark_bytes=lm_bytes, rows=rows)
+              copy_gbps=copy, score_ms=score_ms, score_kernel_ms=score_kernel_ms,
+              landmark_bytes=lm_bytes, rows=rows)
 
 
 @section("d", "dense_baseline", budget_s=150)

@@ -63,7 +63,8 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(_positive(r[k]) for k in ("kernel_ms", "kernel_gbps", "pct_of_copy", "step_ms",
                                          "topk_ms", "step_ms_bf16_landmarks"))
     assert r["kv_bytes"] == 2 * r["selected_pages"] * 16 * 16 * 2  # K+V, S=16, D=16, bf16
-  assert all(_positive(sparse["score_ms"][k]) for k in ("float32", "bfloat16"))
+  assert all(_positive(sparse[t][k]) for k in ("float32", "bfloat16")
+             for t in ("score_ms", "score_kernel_ms"))
   lm_bytes = sparse["landmark_bytes"]
   assert lm_bytes["float32"] == 2 * lm_bytes["bfloat16"] > 0  # bf16 landmarks: half the bytes
 

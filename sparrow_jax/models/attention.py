@@ -128,7 +128,8 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
   page_idx, valid = selection.select_decode_pages(
       q, lm, cache.page_table, lengths, budgets, kind=spec.kind, max_budget=spec.max_budget,
       page_size=spec.page_size, reserved_bos=spec.reserved_bos,
-      reserved_recent=spec.reserved_recent, slot_multiple=slot_multiple)
+      reserved_recent=spec.reserved_recent, slot_multiple=slot_multiple,
+      scorer=dispatch.page_scorer(backend))
   return dispatch.sparse_decode_attention(
       q, k_pages, v_pages, cache.page_table, lengths, page_idx, valid, backend=backend,
       config=config)

@@ -78,6 +78,16 @@ def default_config(backend: Backend, page_size: int):
   return None
 
 
+def page_scorer(backend: Backend) -> str:
+  """`selection.select_decode_pages`' scorer for a resolved backend: the Triton page-score
+  kernel with the Triton attention kernels (compiled or interpreted), XLA otherwise."""
+  if backend is Backend.PALLAS:
+    return "pallas"
+  if backend is Backend.PALLAS_INTERPRET:
+    return "pallas_interpret"
+  return "xla"
+
+
 def resolve_backend(backend=Backend.AUTO) -> Backend:
   """Concrete backend for `backend` (a Backend or its string value) on this machine.
 

@@ -166,6 +166,15 @@ def _materialize(x):
                     preferred_element_type=jnp.float32)
 
 
+def group_mean_queries(q, kv_heads: int):
+  """[..., H, D] queries -> [..., K, D] float32 mean of each kv head's GQA group (a
+  `tree_sum`, materialised): what mean landmarks are scored against."""
+  h, d = q.shape[-2:]
+  g = h // kv_heads
+  qg = q.astype(jnp.float32).reshape(*q.shape[:-2], kv_heads, g, d)  # [..., K, G, D]
+  return _materialize(tree_sum(qg, axis=-2) / g)
+
+
 def score_pages(q, landmarks, kind):
   """Scores of pages for the current queries, one per kv head (shared by its GQA group).
 
@@ -202,7 +211,7 @@ def score_pages(q, landmarks, kind):
   g = h // kvh
   qg = q.astype(jnp.float32).reshape(*q.shape[:-2], kvh, g, d)  # [..., K, G, D]
   if kind is LandmarkKind.MEAN:
-    qm = _materialize(tree_sum(qg, axis=-2) / g)  # [..., K, D]
+    qm = group_mean_queries(q, kvh)  # [..., K, D]
     return tree_sum(qm[..., None, :] * landmarks.astype(jnp.float32), axis=-1)  # [..., K, M]
   kmin, kmax = (x.astype(jnp.float32)[..., :, None, :, :] for x in landmarks)  # [..,K,1,M,D]
   qe = _materialize(qg)[..., None, :]  # [..., K, G, 1, D]
@@ -300,10 +309,19 @@ def select_pages(scores, num_pages, budget, *, max_budget: int, reserved_bos: in
   return page_idx, valid
 
 
+SCORERS = ("xla", "pallas", "pallas_interpret")
+
+
 def select_decode_pages(q, landmarks, page_table, lengths, budget, *, kind, max_budget: int,
                         page_size: int, reserved_bos: int = 1, reserved_recent: int = 2,
-                        slot_multiple: int = 1):
+                        slot_multiple: int = 1, scorer: str = "xla"):
   """Selection for one decode step of one layer: gather, score and select.
+
+  `scorer`: "xla" gathers the pages' landmarks and scores them in XLA (`score_pages`);
+  "pallas" / "pallas_interpret" score mean landmarks with the Triton kernel of
+  `page_scores` (compiled / in the interpreter), which reads them through the page table
+  without materialising the gather (quest landmarks, or a head dim that is not a power of
+  two, stay on XLA). Scores agree to float32 rounding between the two.
 
   Args:
     q: [B, H, D] queries of the current token.
@@ -318,9 +336,19 @@ def select_decode_pages(q, landmarks, page_table, lengths, budget, *, kind, max_
   """
   if not isinstance(page_size, int) or page_size < 1:
     raise ValueError(f"page_size={page_size!r}: expected a positive int")
-  gathered = gather_landmarks(landmarks, page_table)  # [B, K, M, D] (or a pair)
-  scores = score_pages(q, gathered, kind)  # [B, K, M]
+  if scorer not in SCORERS:
+    raise ValueError(f"scorer={scorer!r}: expected one of {SCORERS}")
   num_pages = (jnp.asarray(lengths, jnp.int32) + page_size - 1) // page_size  # [B]
+  kind = as_landmark_kind(kind)
+  d = q.shape[-1]
+  if scorer != "xla" and kind is LandmarkKind.MEAN and d & (d - 1) == 0:
+    from sparrow_jax.pallas_kernels import page_scores
+    qm = group_mean_queries(q, landmarks.shape[0])  # [B, K, D]
+    scores = page_scores.page_scores(qm, landmarks, page_table, num_pages,
+                                     interpret=scorer == "pallas_interpret")  # [B, K, M]
+  else:
+    gathered = gather_landmarks(landmarks, page_table)  # [B, K, M, D] (or a pair)
+    scores = score_pages(q, gathered, kind)  # [B, K, M]
   return select_pages(scores, num_pages, budget, max_budget=max_budget,
                       reserved_bos=reserved_bos, reserved_recent=reserved_recent,
                       slot_multiple=slot_multiple)
