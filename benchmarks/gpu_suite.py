@@ -22,9 +22,10 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           configs), jax's `pallas.ops.gpu.paged_attention` and the XLA path, in
                           ms and GB/s of the sequences' own K/V pages.
   e engine_decode         the generation engine's decode step, dense vs the published
-                          `qwen3-1.7b-0.86` schedule, random-init Qwen3-1.7B (bf16), batch 16,
-                          at 32K/16K/8K tokens held (contexts filled with random K/V and their
-                          landmarks instead of a prefill): ms/step, tokens/s, speedup.
+                          `qwen3-1.7b-0.86` schedule, random-init Qwen3-1.7B (bf16, the
+                          preset's bf16 landmarks), batch 16, at 32K/16K/8K tokens held
+                          (contexts filled with random K/V and their landmarks instead of a
+                          prefill): ms/step, tokens/s, speedup.
   f readmission_agreement the same requests (temperature 1) through a pool that forces
                           preemptions and one that fits everyone, dense and block-sparse on
                           the kernel backend: on GPU a readmission's cache is recomputed by
@@ -518,6 +519,14 @@ def fill_random_context(engine, num_seqs: int, context: int, seed: int = 0):
   return run
 
 
+def _preset_landmark_dtype(model: str) -> str:
+  """The landmark dtype the training preset of `model` runs its sparse actor with (bfloat16
+  on the GPU presets, float32 on the CPU ones), float32 for a model without a preset."""
+  from sparrow_jax.run.config import PRESETS
+  preset = PRESETS.get(model)
+  return preset.landmark_dtype if preset is not None else "float32"
+
+
 def decode_step_ms(run: Run, engine, state, steps: int) -> float:
   """Median ms per decode step over `repeats` chunks (the first, compiling one, excluded)."""
   times = []
@@ -534,7 +543,8 @@ def decode_step_ms(run: Run, engine, state, steps: int) -> float:
 def engine_decode(run: Run) -> dict:
   """Engine decode tokens/s, dense vs the published qwen3-1.7b-0.86 schedule, random-init
   Qwen3-1.7B (bf16), at 32K, 16K and 8K tokens held; per context the dense engine, then
-  the sparse one."""
+  the sparse one, with the landmark dtype of the model's training preset (bf16; float32 in
+  runs 1-6 of 2026-12-04)."""
   from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
   from sparrow_jax.models import attention as attn_lib
   from sparrow_jax.models.config import get_config
@@ -547,7 +557,8 @@ def engine_decode(run: Run) -> dict:
   model = init_model(mcfg)
   sched_ = get_schedule("qwen3-1.7b-0.86")
   backend = run.backend.value
-  sparse_att = attention_spec(sched_, max_position=max(z["contexts"]) + 1024, backend=backend)
+  sparse_att = attention_spec(sched_, max_position=max(z["contexts"]) + 1024, backend=backend,
+                              landmark_dtype=_preset_landmark_dtype(z["model"]))
   rows = []
   for ctx in z["contexts"]:
     if not run.has_time(f"context {ctx}"):
@@ -581,7 +592,8 @@ def engine_decode(run: Run) -> dict:
                      speedup=out["dense"] / out["sparse"]))
   if rows and all("errors" in r for r in rows):
     raise CheckFailed(f"no context measured: {[r['errors'] for r in rows]}")
-  return dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, rows=rows,
+  return dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name,
+              landmark_dtype=sparse_att.landmark_dtype, rows=rows,
               note="contexts filled with random K/V and their landmarks; bf16 weights/cache")
 
 
@@ -721,9 +733,11 @@ def engine_profile(run: Run) -> dict:
   ecfg = EngineConfig(num_slots=z["batch"], max_seq_len=max_len, page_size=sched_.page_size,
                       decode_chunk=steps)
   result = dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, context=ctx,
-                batch=z["batch"], steps=steps * chunks)
+                batch=z["batch"], steps=steps * chunks,
+                landmark_dtype=_preset_landmark_dtype(z["model"]))
   for name, att, sch in (
-      ("sparse", attention_spec(sched_, max_position=max_len, backend=backend), sched_),
+      ("sparse", attention_spec(sched_, max_position=max_len, backend=backend,
+                                landmark_dtype=_preset_landmark_dtype(z["model"])), sched_),
       ("dense", attn_lib.Dense(backend=backend), None)):
     if not run.has_time(name):
       continue

@@ -81,6 +81,7 @@ def test_smoke_run_writes_every_section(tmp_path):
 
   engine = sections["e_engine_decode"]["results"]
   assert engine["schedule"] == "qwen3-1.7b-0.86" and [r["context"] for r in engine["rows"]] == [256]
+  assert engine["landmark_dtype"] == "float32"  # the tiny preset's (the GPU presets': bf16)
   for r in engine["rows"]:
     assert all(_positive(r[k]) for k in ("dense_ms", "sparse_ms", "dense_tok_s", "sparse_tok_s"))
     assert r["budget_pages"] == 29  # the published table's first bin
