@@ -7,8 +7,8 @@
 
 Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
   a kernels_vs_reference  compiled sparse and dense kernels (and the dense XLA path) against
-                          the float32 references at a few realistic shapes; fails the run on a
-                          mismatch.
+                          the float32 references at a few realistic shapes, and the page-score
+                          kernel against the XLA scores; fails the run on a mismatch.
   b copy_bandwidth        device memory bandwidth of an elementwise pass over a large buffer
                           (bytes read + written / time): the roofline the kernels are held to.
   c sparse_bandwidth      the sparse kernel at batch 64, 32K context, Qwen3-1.7B attention
@@ -297,6 +297,9 @@ def _rel_err(out, want) -> float:
 # Sections
 
 
+SCORE_TOL = 1e-5  # float32 page scores: the same sums, up to FMA contraction
+
+
 @section("a", "kernels_vs_reference", budget_s=90)
 def kernels_vs_reference(run: Run) -> dict:
   tol = 2e-2  # bf16 cache, float32 accumulation
@@ -329,7 +332,22 @@ def kernels_vs_reference(run: Run) -> dict:
       want = sparse_ref if impl.startswith("sparse") else dense_ref
       err = _rel_err(out, want)
       checks.append(dict(shape=label, impl=impl, rel_err=err, ok=bool(err <= tol)))
-  result = dict(tolerance=tol, checks=checks)
+    scorer = dispatch.page_scorer(run.backend)
+    if scorer != "xla":  # the page-score kernel against the XLA scores, on existing pages
+      q, k_pages, _, table, lengths = case
+      lm = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], k_pages.shape[2]),
+                                       "mean")
+      n = (lengths + z.page_size - 1) // z.page_size
+      want = jax.jit(lambda q, lm, t: selection.score_pages(
+          q, selection.gather_landmarks(lm, t), "mean"))(q, lm, table)
+      got = jax.jit(lambda q, lm, t, n: page_scores.page_scores(
+          selection.group_mean_queries(q, lm.shape[0]), lm, t, n,
+          interpret=scorer == "pallas_interpret"))(q, lm, table, n)
+      exists = (jnp.arange(table.shape[1])[None, :] < n[:, None])[:, None, :]
+      err = _rel_err(jnp.where(exists, got, 0.0), jnp.where(exists, want, 0.0))
+      checks.append(dict(shape=label, impl="page_scores_kernel", rel_err=err,
+                         ok=bool(err <= SCORE_TOL)))
+  result = dict(tolerance=tol, score_tolerance=SCORE_TOL, checks=checks)
   bad = [c for c in checks if not c["ok"]]
   if bad:
     raise CheckFailed(json.dumps(bad))
