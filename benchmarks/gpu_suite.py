@@ -562,7 +562,8 @@ def engine_decode(run: Run) -> dict:
   """Engine decode tokens/s, dense vs the published qwen3-1.7b-0.86 schedule, random-init
   Qwen3-1.7B (bf16), at 32K, 16K and 8K tokens held; per context the dense engine, then
   the sparse one, with the landmark dtype of the model's training preset (bf16; float32 in
-  runs 1-6 of 2026-12-04)."""
+  runs 1-6 of 2026-12-04); at the first context also the sparse engine with XLA page scoring
+  (`BlockSparse.page_scorer="xla"`) where the backend scores with the kernel."""
   from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
   from sparrow_jax.models import attention as attn_lib
   from sparrow_jax.models.config import get_config
@@ -586,8 +587,12 @@ def engine_decode(run: Run) -> dict:
     ecfg = EngineConfig(num_slots=z["batch"], max_seq_len=max_len, page_size=sched_.page_size,
                         decode_chunk=steps)
     out, errors = {}, {}
-    for name, att, sch in (("dense", attn_lib.Dense(backend=backend), None),
-                           ("sparse", sparse_att, sched_)):
+    engines = [("dense", attn_lib.Dense(backend=backend), None), ("sparse", sparse_att, sched_)]
+    if ctx == z["contexts"][0] and dispatch.page_scorer(run.backend) != "xla":
+      # the first context also with the XLA page scoring the kernel replaced (2026-12-04)
+      engines.append(("sparse_xla_scores",
+                      dataclasses.replace(sparse_att, page_scorer="xla"), sched_))
+    for name, att, sch in engines:
       eng = sched = None
       try:
         eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
@@ -603,11 +608,15 @@ def engine_decode(run: Run) -> dict:
       rows.append(dict(context=ctx, batch=z["batch"], budget_pages=budget, errors=errors,
                        **{f"{k}_ms": v for k, v in out.items()}))
       continue
-    rows.append(dict(context=ctx, batch=z["batch"], budget_pages=budget,
-                     dense_ms=out["dense"], sparse_ms=out["sparse"],
-                     dense_tok_s=z["batch"] * 1e3 / out["dense"],
-                     sparse_tok_s=z["batch"] * 1e3 / out["sparse"],
-                     speedup=out["dense"] / out["sparse"]))
+    row = dict(context=ctx, batch=z["batch"], budget_pages=budget,
+               dense_ms=out["dense"], sparse_ms=out["sparse"],
+               dense_tok_s=z["batch"] * 1e3 / out["dense"],
+               sparse_tok_s=z["batch"] * 1e3 / out["sparse"],
+               speedup=out["dense"] / out["sparse"])
+    if "sparse_xla_scores" in out:
+      row.update(sparse_xla_scores_ms=out["sparse_xla_scores"],
+                 speedup_xla_scores=out["dense"] / out["sparse_xla_scores"])
+    rows.append(row)
   if rows and all("errors" in r for r in rows):
     raise CheckFailed(f"no context measured: {[r['errors'] for r in rows]}")
   return dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name,

@@ -86,7 +86,8 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert engine["schedule"] == "qwen3-1.7b-0.86" and [r["context"] for r in engine["rows"]] == [256]
   assert engine["landmark_dtype"] == "float32"  # the tiny preset's (the GPU presets': bf16)
   for r in engine["rows"]:
-    assert all(_positive(r[k]) for k in ("dense_ms", "sparse_ms", "dense_tok_s", "sparse_tok_s"))
+    assert all(_positive(r[k]) for k in ("dense_ms", "sparse_ms", "dense_tok_s", "sparse_tok_s",
+                                         "sparse_xla_scores_ms", "speedup_xla_scores"))
     assert r["budget_pages"] == 29  # the published table's first bin
 
   readmit = sections["f_readmission_agreement"]["results"]

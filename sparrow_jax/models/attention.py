@@ -36,6 +36,9 @@ class BlockSparse:
   `max_budget` is the static maximum of the traced per-row budgets (compiled shapes).
   `landmark_dtype`: "float32" or "bfloat16", the dtype the cache keeps landmarks in (and the
   teacher-forced forward rounds them to, so both select the same pages).
+  `page_scorer`: how a decode step scores pages: "auto" (the Triton page-score kernel with
+  the Triton backends and mean landmarks, XLA otherwise: `dispatch.page_scorer`) or "xla"
+  (always the XLA gather and scores; the GPU suite measures the two side by side).
   """
 
   max_budget: int
@@ -48,6 +51,7 @@ class BlockSparse:
   landmark_dtype: str = "float32"
   train_backend: str = "auto"  # the dense layers' whole-sequence attention
   query_chunk: int = 128  # teacher-forced query chunk = key block (speed knob)
+  page_scorer: str = "auto"
 
   def __post_init__(self):
     if self.max_budget < 1:
@@ -66,6 +70,9 @@ class BlockSparse:
       raise ValueError(f"BlockSparse.landmark_dtype={self.landmark_dtype!r}: expected "
                        "'float32' or 'bfloat16'")
     train_attention.as_train_attention(self.train_backend)
+    if self.page_scorer not in ("auto", "xla"):
+      raise ValueError(f"BlockSparse.page_scorer={self.page_scorer!r}: expected 'auto' or "
+                       "'xla'")
 
   @property
   def kind(self) -> selection.LandmarkKind:
@@ -129,7 +136,7 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
       q, lm, cache.page_table, lengths, budgets, kind=spec.kind, max_budget=spec.max_budget,
       page_size=spec.page_size, reserved_bos=spec.reserved_bos,
       reserved_recent=spec.reserved_recent, slot_multiple=slot_multiple,
-      scorer=dispatch.page_scorer(backend))
+      scorer=dispatch.page_scorer(backend) if spec.page_scorer == "auto" else "xla")
   return dispatch.sparse_decode_attention(
       q, k_pages, v_pages, cache.page_table, lengths, page_idx, valid, backend=backend,
       config=config)

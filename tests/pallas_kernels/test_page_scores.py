@@ -61,9 +61,9 @@ def test_decode_selection_with_the_kernel_matches_xla():
                                   page_size=4, scorer="triton")
 
 
-def _decode_jaxpr(backend, landmark):
+def _decode_jaxpr(backend, landmark, page_scorer="auto"):
   spec = attn_lib.BlockSparse(max_budget=2, page_size=4, dense_layers=(), landmark=landmark,
-                              backend=backend)
+                              backend=backend, page_scorer=page_scorer)
   cache = PagedKVCache.create(num_layers=1, num_kv_heads=2, head_dim=16, num_slots=2,
                               num_pages=12, max_pages_per_seq=5, page_size=4, landmark=landmark)
   q = jnp.ones((2, 4, 16), jnp.float32)
@@ -77,6 +77,9 @@ def test_decode_attention_scores_with_the_kernel_on_the_triton_backends_only():
   assert "page_scores" in _decode_jaxpr("pallas_interpret", "mean")
   assert "page_scores" not in _decode_jaxpr("xla", "mean")
   assert "page_scores" not in _decode_jaxpr("pallas_interpret", "quest")  # XLA scores quest
+  assert "page_scores" not in _decode_jaxpr("pallas_interpret", "mean", page_scorer="xla")
+  with pytest.raises(ValueError, match="page_scorer='triton'"):
+    attn_lib.BlockSparse(max_budget=2, page_scorer="triton")
 
 
 def test_bad_arguments_name_what_is_wrong():
