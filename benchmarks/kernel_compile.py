@@ -14,7 +14,8 @@ What is compiled (`targets`):
   defaults  the dense (`PagedDecodeConfig()`) and sparse (`SparseDecodeConfig()`) kernels at the
             attention shape of every model preset (head dim, GQA group) and of the GPU suite's
             check shapes, page size 16, bf16 and float32 caches: what `Dense()` / `BlockSparse`
-            run with `backend="pallas"`.
+            run with `backend="pallas"`; and the page-score kernel (`page_scores.py`) per head
+            dim with bf16 and float32 landmarks.
   sweep     the GPU suite's dense launch sweep (`gpu_suite.FULL.dense_configs`) at its bench
             shape (16 q / 8 kv heads x 128, bf16, page 16).
 A row fails ("SPILL", "SMEM") on a register spill or on more than 227 KiB of shared memory per
@@ -46,7 +47,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from sparrow_jax.models.config import PRESETS as MODEL_PRESETS  # noqa: E402
-from sparrow_jax.pallas_kernels import gpu_compile, split_k  # noqa: E402
+from sparrow_jax.pallas_kernels import gpu_compile, page_scores, split_k  # noqa: E402
 from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig, paged_decode  # noqa: E402
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig, sparse_decode  # noqa: E402
 
@@ -59,9 +60,9 @@ SUITE_BENCH = (16, 8, 128)  # sections c/d: Qwen3-1.7B attention
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  kernel: str  # "dense" | "sparse"
-  config: object  # PagedDecodeConfig | SparseDecodeConfig
-  dtype: str
+  kernel: str  # "dense" | "sparse" | "scores" (the page-score kernel)
+  config: object  # PagedDecodeConfig | SparseDecodeConfig | None (scores)
+  dtype: str  # the cache dtype; for "scores" the landmark dtype
   heads: int
   kv_heads: int
   head_dim: int
@@ -136,6 +137,15 @@ def targets(only: str = "all", models=None) -> list[Target]:
       for dtype in DTYPES:
         out.append(Target("dense", PagedDecodeConfig(), dtype, h, k, d, used_by, True))
         out.append(Target("sparse", SparseDecodeConfig(), dtype, h, k, d, used_by, True))
+    # The page-score kernel depends on the head dim and the landmark dtype only.
+    by_dim: dict = {}
+    for name, (h, k, d) in _shapes(models).items():
+      by_dim.setdefault(d, []).append((name, h, k))
+    for d, users in by_dim.items():
+      _, h, k = users[0]
+      for dtype in DTYPES:
+        out.append(Target("scores", None, dtype, h, k, d,
+                          ", ".join(name for name, _, _ in users), True))
     for name, (h, k, d, page) in _small_page_shapes(models).items():
       for dtype in DTYPES:
         for kernel, cls in (("dense", PagedDecodeConfig), ("sparse", SparseDecodeConfig)):
@@ -154,6 +164,9 @@ def targets(only: str = "all", models=None) -> list[Target]:
 def _args(t: Target):
   b, p, m, n = 4, 64, 32, 67
   s = jax.ShapeDtypeStruct
+  if t.kernel == "scores":  # qm [B, K, D] float32, landmarks [K, P, D], table, num_pages
+    return (s((b, t.kv_heads, t.head_dim), jnp.float32), s((t.kv_heads, p, t.head_dim), t.dtype),
+            s((b, m), jnp.int32), s((b,), jnp.int32))
   base = (s((b, t.heads, t.head_dim), t.dtype),
           s((t.kv_heads, p, t.page_size, t.head_dim), t.dtype),
           s((t.kv_heads, p, t.page_size, t.head_dim), t.dtype),
@@ -163,7 +176,17 @@ def _args(t: Target):
   return base + (s((b, t.kv_heads, n), jnp.int32), s((b, t.kv_heads, n), jnp.bool_))
 
 
+def kernel_fn(t: Target):
+  """The function compiling `t` launches its kernel through."""
+  if t.kernel == "scores":
+    return page_scores.page_scores
+  return functools.partial(paged_decode if t.kernel == "dense" else sparse_decode,
+                           config=t.config)
+
+
 def config_text(cfg) -> str:
+  if cfg is None:
+    return f"page_scores(pages_per_block={page_scores.DEFAULT_PAGES_PER_BLOCK})"
   fields = dataclasses.asdict(cfg)
   default = dataclasses.asdict(type(cfg)())
   changed = {k: v for k, v in fields.items() if v != default[k]}
@@ -174,10 +197,8 @@ def compile_target(t: Target, limits: gpu_compile.GpuLimits = gpu_compile.H200) 
   """One JSON row: kernel, config, dtype, registers, spill_bytes, shared_bytes and the rest."""
   row = dict(kernel=t.kernel, config=config_text(t.config), dtype=t.dtype, head_dim=t.head_dim,
              group=t.group, page_size=t.page_size, used_by=t.used_by, gating=t.gating)
-  fn = functools.partial(paged_decode if t.kernel == "dense" else sparse_decode,
-                         config=t.config)
   try:
-    (res,) = gpu_compile.compile_fn(fn, *_args(t), limits=limits)
+    (res,) = gpu_compile.compile_fn(kernel_fn(t), *_args(t), limits=limits)
   except ValueError as e:  # the config's own shared-memory check refused the block shape
     row.update(registers=None, spill_bytes=None, shared_bytes=None, status="REFUSED",
                problems=[str(e)])
@@ -191,7 +212,7 @@ def compile_target(t: Target, limits: gpu_compile.GpuLimits = gpu_compile.H200) 
   row.update(registers=res.registers, spill_bytes=res.spill_bytes,
              shared_bytes=res.shared_bytes, num_warps=res.num_warps, num_stages=res.num_stages,
              blocks_per_sm=res.blocks_per_sm, occupancy=round(res.occupancy, 4),
-             shared_floor_bytes=split_k.shared_bytes_lower_bound(
+             shared_floor_bytes=0 if t.config is None else split_k.shared_bytes_lower_bound(
                  pages_per_block=t.config.pages_per_block, page_size=t.page_size,
                  head_dim=t.head_dim, dtype=t.dtype, num_stages=t.config.num_stages),
              status=status, problems=problems)

@@ -69,7 +69,7 @@ def test_default_configs_fit_an_h200(script, capsys):
   assert rc == 0, err
   rows = json.loads(out.strip().splitlines()[-1])
   assert {(r["kernel"], r["dtype"]) for r in rows} == {
-      (k, d) for k in ("dense", "sparse") for d in ("bfloat16", "float32")}
+      (k, d) for k in ("dense", "sparse", "scores") for d in ("bfloat16", "float32")}
   for r in rows:
     assert {"kernel", "config", "dtype", "registers", "spill_bytes", "shared_bytes"} <= set(r)
     assert r["status"] == "ok" and r["spill_bytes"] == 0, r
@@ -85,9 +85,7 @@ def test_default_configs_fit_an_h200(script, capsys):
 def test_every_default_configuration_fits_an_h200(script):
   """Every model preset's and GPU-suite check shape's defaults (the script's gating rows)."""
   for target in script.targets("defaults"):
-    fn = functools.partial(pd.paged_decode if target.kernel == "dense" else sd.sparse_decode,
-                           config=target.config)
-    for res in _compile(fn, *script._args(target)):
+    for res in _compile(script.kernel_fn(target), *script._args(target)):
       assert_fits(res)
 
 
