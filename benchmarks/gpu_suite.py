@@ -690,7 +690,8 @@ def trace_summary(trace_dir: str, steps: int, top: int = 30) -> dict:
   """Device time by kernel from the perfetto trace `jax.profiler.trace(create_perfetto_trace=
   True)` wrote under `trace_dir`: per thread of the device processes (GPU streams; the host's
   XLA threads on CPU), microseconds per decode step of every kernel name, its calls per step
-  and the thread's busy time per step; the `top` largest kernels of each thread."""
+  and the thread's busy time per step; the `top` largest kernels of each thread, and the `top`
+  largest groups of kernels that differ only by XLA's numbering (`kernel_group`)."""
   import collections
   import glob
   import gzip
@@ -728,11 +729,28 @@ def trace_summary(trace_dir: str, steps: int, top: int = 30) -> dict:
   out = {}
   for thread, total in sorted(busy.items(), key=lambda kv: -kv[1]):
     rows = sorted(kernels[thread].items(), key=lambda kv: -kv[1][0])[:top]
+    groups = collections.defaultdict(lambda: [0.0, 0])
+    for name, k in kernels[thread].items():
+      g = groups[kernel_group(name)]
+      g[0] += k[0]
+      g[1] += k[1]
     out[thread] = dict(busy_us_per_step=total / steps,
                        kernels=[dict(name=n[:160], us_per_step=k[0] / steps,
                                      calls_per_step=k[1] / steps, **k[2])
-                                for n, k in rows])
+                                for n, k in rows],
+                       groups=[dict(group=n[:160], us_per_step=d / steps,
+                                    calls_per_step=c / steps)
+                               for n, (d, c) in sorted(groups.items(),
+                                                       key=lambda kv: -kv[1][0])[:top]])
   return out
+
+
+def kernel_group(name: str) -> str:
+  """A kernel's name without XLA's numbering: `sort_57_1` -> `sort`, `gemm_fusion_dot_111` ->
+  `gemm_fusion_dot`, `loop_select_fusion_2` -> `loop_select_fusion` (unrolled layers give
+  every layer's copy of an op its own name; the group sums them)."""
+  import re
+  return re.sub(r"(?:[._]\d+)+$", "", name) or name
 
 
 @section("i", "engine_profile", budget_s=120)

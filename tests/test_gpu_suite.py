@@ -104,7 +104,7 @@ def test_smoke_run_writes_every_section(tmp_path):
                            for t in threads.values())
     for t in threads.values():
       assert all(_positive(k["us_per_step"]) and _positive(k["calls_per_step"])
-                 for k in t["kernels"])
+                 for k in t["kernels"] + t["groups"])
 
   job = sections["g_main_job"]["results"]
   assert job["command"] == "python experiments/train.py --config tiny num_steps=1 warmstart_steps=0"
@@ -235,3 +235,45 @@ def test_context_filler_temporaries_stay_a_piece_at_qwen3_1p7b_32k(suite):
   layer = 8 * pages * 16 * 128 * 2
   assert mem.alias_size_in_bytes == 2 * layer + 8 * pages * 128 * 2  # K, V, landmarks in place
   assert mem.temp_size_in_bytes < 0.6 * layer, mem.temp_size_in_bytes
+
+
+def test_trace_summary_sums_device_kernels_per_step_and_groups_layer_copies(suite, tmp_path):
+  import gzip
+  events = [
+      {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+      {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #14"}},
+      {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+      {"ph": "M", "name": "thread_name", "pid": 2, "tid": 3, "args": {"name": "python"}},
+  ]
+  for step in range(2):  # two decode steps, two layers each
+    for layer in (41, 57):
+      events.append({"ph": "X", "pid": 1, "tid": 7, "name": f"sort_{layer}_1", "dur": 20.0,
+                     "args": {"hlo_op": f"sort.{layer}", "other": "dropped"}})
+    events.append({"ph": "X", "pid": 1, "tid": 7, "name": "sparse_paged_decode", "dur": 100.0})
+    events.append({"ph": "X", "pid": 1, "tid": 7, "name": "end: sparse_paged_decode", "dur": 5})
+    events.append({"ph": "X", "pid": 2, "tid": 3, "name": "PjitFunction(f)", "dur": 999.0})
+  path = tmp_path / "plugins" / "profile" / "run"
+  path.mkdir(parents=True)
+  with gzip.open(path / "host.perfetto_trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+  out = suite.trace_summary(str(tmp_path), steps=2)
+  assert list(out) == ["/device:GPU:0 / Stream #14"]  # the host process is not a device
+  t = out["/device:GPU:0 / Stream #14"]
+  assert t["busy_us_per_step"] == 140.0
+  assert t["kernels"][0] == dict(name="sparse_paged_decode", us_per_step=100.0,
+                                 calls_per_step=1.0)
+  assert t["kernels"][1] == dict(name="sort_41_1", us_per_step=20.0, calls_per_step=1.0,
+                                 hlo_op="sort.41")
+  assert t["groups"] == [dict(group="sparse_paged_decode", us_per_step=100.0, calls_per_step=1.0),
+                         dict(group="sort", us_per_step=40.0, calls_per_step=2.0)]
+  with pytest.raises(suite.CheckFailed, match="no perfetto trace"):
+    suite.trace_summary(str(tmp_path / "plugins" / "profile" / "missing"), steps=1)
+
+
+def test_kernel_group_strips_xla_numbering(suite):
+  assert suite.kernel_group("sort_57_1") == "sort"
+  assert suite.kernel_group("gemm_fusion_dot_111") == "gemm_fusion_dot"
+  assert suite.kernel_group("loop_select_fusion_2") == "loop_select_fusion"
+  assert suite.kernel_group("while.67") == "while"
+  assert suite.kernel_group("sparse_paged_decode") == "sparse_paged_decode"
+  assert suite.kernel_group("fusion_3023") == "fusion"
