@@ -32,7 +32,7 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           the XLA prefill where the bf16 decode kernel first wrote it, so the
                           tokens after it agree up to bf16 rounding; counts how often they
                           are identical (2026-12-04 H200, random init, nearly flat next-token
-                          distributions: 1 of 17 preempted requests, BENCHMARKS.md).
+                          distributions: 1 and 2 of 5 preempted requests, BENCHMARKS.md).
   g main_job              `python experiments/train.py --config tiny` (the README's main job,
                           the whole trainer with the kernels at 2-token pages) in a subprocess:
                           exit status, wall time and its summary.json.
@@ -44,7 +44,8 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           the profiler: device time per decode step by kernel, from the
                           perfetto trace, beside the step's wall time.
 Sections g and h run their jobs in their own processes and go first (this process does not
-preallocate GPU memory, so those jobs get the device).
+preallocate GPU memory, so those jobs get the device); then a-e, i and f (f last: the time
+guard of a full run cuts it first).
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
 its numbers. Every section gets a time guard (its budget, capped by what is left of
 `--budget-s`): a measurement that would start past it is recorded under "skipped" instead, so
@@ -146,8 +147,9 @@ FULL_ENGINE = dict(model="qwen3_1p7b", overrides={}, batch=16, chunk=8,
 # CPU such a half compiles 16 programs (6 for the pool that fits, 10 for the tight one, whose
 # readmissions prefill at new lengths), ~10-20 s each for the 28-layer model on the H200. Now
 # 4 of its layers (the engine unrolls layers: compile time goes with them) and half the
-# tokens; the log and the JSON give each run's wall time and compilations.)
-FULL_READMIT = dict(model="qwen3_1p7b", overrides=dict(num_layers=4), requests=16, prompt=128,
+# tokens; the log and the JSON give each run's wall time and compilations. That took 151 s in
+# run 4; now 2 layers (one dense, one sparse), and f runs last: the guard cuts it first.)
+FULL_READMIT = dict(model="qwen3_1p7b", overrides=dict(num_layers=2), requests=16, prompt=128,
                     new=128, slots=8, pool_seqs=3, chunk=16, budget=8)
 SMOKE_READMIT = dict(model="tiny", overrides=dict(num_layers=2, head_dim=16), requests=3,
                      prompt=8, new=16, slots=2, pool_seqs=1, chunk=4, budget=1)
@@ -624,68 +626,6 @@ def engine_decode(run: Run) -> dict:
               note="contexts filled with random K/V and their landmarks; bf16 weights/cache")
 
 
-@section("f", "readmission_agreement", budget_s=150)
-def readmission_agreement(run: Run) -> dict:
-  """Tokens of preempted (and readmitted) requests against a pool that fits everyone."""
-  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
-  from sparrow_jax.engine.sampling import SamplingParams
-  from sparrow_jax.models import attention as attn_lib
-  from sparrow_jax.models.config import get_config
-  from sparrow_jax.models.decoder import init_model
-
-  z = SMOKE_READMIT if run.smoke else FULL_READMIT
-  dtype = "float32" if run.smoke else "bfloat16"
-  mcfg = get_config(z["model"], dtype=dtype, param_dtype=dtype, eos_token_ids=(),
-                    **z["overrides"])
-  model = init_model(mcfg)
-  page = run.sizes.page_size
-  rng = np.random.default_rng(0)
-  reqs = [Request(list(rng.integers(3, mcfg.vocab_size, z["prompt"])),
-                  SamplingParams(temperature=1.0, max_new_tokens=z["new"], seed=i), i)
-          for i in range(z["requests"])]
-  max_len = z["prompt"] + z["new"]
-  per_seq = -(-max_len // page)
-  # The kernels in interpret mode compile for minutes; the CPU smoke checks the section on XLA.
-  backend = "xla" if run.smoke else run.backend.value
-  rows = []
-  for name, att in (("dense", attn_lib.Dense(backend=backend)),
-                    ("sparse", attn_lib.BlockSparse(max_budget=z["budget"], page_size=page,
-                                                    dense_layers=(0,), backend=backend))):
-    if not run.has_time(name):
-      continue
-    base = dict(num_slots=z["slots"], max_seq_len=max_len, page_size=page,
-                decode_chunk=z["chunk"])
-    outs, stats = {}, {}
-    for pool, extra in (("fits", {}), ("tight", dict(num_pages=z["pool_seqs"] * per_seq + 1))):
-      eng = GenerationEngine(model, EngineConfig(**base, **extra), attention=att)
-      outs[pool], stats[pool] = eng.generate(reqs), eng.last_stats
-      st = stats[pool]  # progress for the log (a GPU run that hits the outer timeout)
-      print(f"[f] {name}/{pool}: {st['wall_s']:.1f} s, {st['compilations']} compilations, "
-            f"{st['preemptions']} preemptions", flush=True)
-      del eng
-    pre = [i for i, c in enumerate(outs["tight"]) if c.preemptions]
-    same_prefix = total = identical = 0
-    for i in pre:
-      a, b = outs["fits"][i].token_ids, outs["tight"][i].token_ids
-      n = min(len(a), len(b))
-      diff = np.flatnonzero(a[:n] != b[:n])
-      same_prefix += int(diff[0]) if diff.size else n
-      total += max(len(a), len(b))
-      identical += int(len(a) == len(b) and not diff.size)
-    rows.append(dict(attention=name, preemptions=int(stats["tight"]["preemptions"]),
-                     wall_s={p: round(st["wall_s"], 2) for p, st in stats.items()},
-                     compilations={p: int(st["compilations"]) for p, st in stats.items()},
-                     preempted_requests=len(pre), identical_requests=identical,
-                     identical_frac=identical / len(pre) if pre else None,
-                     prefix_agreement=same_prefix / total if total else None))
-  if rows and not any(r["preempted_requests"] for r in rows):
-    raise CheckFailed("the tight pool preempted nothing: the section measured nothing")
-  return dict(model=mcfg.name, layers=mcfg.num_layers, dtype=dtype, requests=z["requests"],
-              prompt=z["prompt"], new=z["new"], rows=rows,
-              note="tokens of preempted requests vs a pool that fits everyone; "
-                   "prefix_agreement = tokens before the first difference / tokens")
-
-
 def trace_summary(trace_dir: str, steps: int, top: int = 30) -> dict:
   """Device time by kernel from the perfetto trace `jax.profiler.trace(create_perfetto_trace=
   True)` wrote under `trace_dir`: per thread of the device processes (GPU streams; the host's
@@ -803,6 +743,68 @@ def engine_profile(run: Run) -> dict:
     del eng, state
     gc.collect()
   return result
+
+
+@section("f", "readmission_agreement", budget_s=150)
+def readmission_agreement(run: Run) -> dict:
+  """Tokens of preempted (and readmitted) requests against a pool that fits everyone."""
+  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+  from sparrow_jax.engine.sampling import SamplingParams
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.decoder import init_model
+
+  z = SMOKE_READMIT if run.smoke else FULL_READMIT
+  dtype = "float32" if run.smoke else "bfloat16"
+  mcfg = get_config(z["model"], dtype=dtype, param_dtype=dtype, eos_token_ids=(),
+                    **z["overrides"])
+  model = init_model(mcfg)
+  page = run.sizes.page_size
+  rng = np.random.default_rng(0)
+  reqs = [Request(list(rng.integers(3, mcfg.vocab_size, z["prompt"])),
+                  SamplingParams(temperature=1.0, max_new_tokens=z["new"], seed=i), i)
+          for i in range(z["requests"])]
+  max_len = z["prompt"] + z["new"]
+  per_seq = -(-max_len // page)
+  # The kernels in interpret mode compile for minutes; the CPU smoke checks the section on XLA.
+  backend = "xla" if run.smoke else run.backend.value
+  rows = []
+  for name, att in (("dense", attn_lib.Dense(backend=backend)),
+                    ("sparse", attn_lib.BlockSparse(max_budget=z["budget"], page_size=page,
+                                                    dense_layers=(0,), backend=backend))):
+    if not run.has_time(name):
+      continue
+    base = dict(num_slots=z["slots"], max_seq_len=max_len, page_size=page,
+                decode_chunk=z["chunk"])
+    outs, stats = {}, {}
+    for pool, extra in (("fits", {}), ("tight", dict(num_pages=z["pool_seqs"] * per_seq + 1))):
+      eng = GenerationEngine(model, EngineConfig(**base, **extra), attention=att)
+      outs[pool], stats[pool] = eng.generate(reqs), eng.last_stats
+      st = stats[pool]  # progress for the log (a GPU run that hits the outer timeout)
+      print(f"[f] {name}/{pool}: {st['wall_s']:.1f} s, {st['compilations']} compilations, "
+            f"{st['preemptions']} preemptions", flush=True)
+      del eng
+    pre = [i for i, c in enumerate(outs["tight"]) if c.preemptions]
+    same_prefix = total = identical = 0
+    for i in pre:
+      a, b = outs["fits"][i].token_ids, outs["tight"][i].token_ids
+      n = min(len(a), len(b))
+      diff = np.flatnonzero(a[:n] != b[:n])
+      same_prefix += int(diff[0]) if diff.size else n
+      total += max(len(a), len(b))
+      identical += int(len(a) == len(b) and not diff.size)
+    rows.append(dict(attention=name, preemptions=int(stats["tight"]["preemptions"]),
+                     wall_s={p: round(st["wall_s"], 2) for p, st in stats.items()},
+                     compilations={p: int(st["compilations"]) for p, st in stats.items()},
+                     preempted_requests=len(pre), identical_requests=identical,
+                     identical_frac=identical / len(pre) if pre else None,
+                     prefix_agreement=same_prefix / total if total else None))
+  if rows and not any(r["preempted_requests"] for r in rows):
+    raise CheckFailed("the tight pool preempted nothing: the section measured nothing")
+  return dict(model=mcfg.name, layers=mcfg.num_layers, dtype=dtype, requests=z["requests"],
+              prompt=z["prompt"], new=z["new"], rows=rows,
+              note="tokens of preempted requests vs a pool that fits everyone; "
+                   "prefix_agreement = tokens before the first difference / tokens")
 
 
 # Section g: the README's main job. The full run is the embedded default as the README gives
