@@ -61,6 +61,9 @@ class TrainConfig:
   landmark_dtype: str = "float32"  # float32 | bfloat16: page landmarks in the KV cache
   dense_layers: str = ""  # comma-separated layers kept dense ("" = the schedule's own, 0,1)
   attention_backend: str = "auto"
+  # How a decode step scores pages: auto (the Triton page-score kernel with the Triton
+  # backends and mean landmarks, XLA otherwise) | xla (always XLA's gather and scores).
+  page_scorer: str = "auto"
   num_slots: int = 64  # concurrent sequences per device (each device runs its own engine shard)
   decode_chunk: int = 16
   # Tokens one prefill call may process per device (rows x padded length; vLLM's
@@ -269,7 +272,8 @@ class TrainConfig:
                "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
                "arith_template": ("boxed", "raw"),
                "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
-                                     "pallas_tpu_interpret")}
+                                     "pallas_tpu_interpret"),
+               "page_scorer": ("auto", "xla")}
     for f, ok in choices.items():
       if getattr(self, f) not in ok:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected one of {ok}")

@@ -36,8 +36,8 @@ SAFE_TO_CHANGE = frozenset({
     "num_steps", "out_dir", "save_every", "keep_last", "export_hf", "export_dtype",
     "tensorboard", "logger", "wandb_project", "sample_every", "samples_per_log", "val_data",
     "val_every", "val_k", "val_max_prompts", "device_memory_gb", "mesh", "attention_backend",
-    "num_slots", "decode_chunk", "max_prefill_tokens", "remat", "logprob_chunk", "micro_batch_size",
-    "reward_timeout_s", "max_bad_steps"})
+    "page_scorer", "num_slots", "decode_chunk", "max_prefill_tokens", "remat", "logprob_chunk",
+    "micro_batch_size", "reward_timeout_s", "max_bad_steps"})
 
 
 def _checkpoint_steps(out_dir: str) -> list[int]:

@@ -149,7 +149,8 @@ class Trainer:
     self.model_cfg: ModelConfig = model.cfg
     self.schedule = checked.schedule
     self.attention = attention_spec(self.schedule, backend=cfg.attention_backend,
-                                    landmark_dtype=cfg.landmark_dtype)
+                                    landmark_dtype=cfg.landmark_dtype,
+                                    page_scorer=cfg.page_scorer)
     self.graphdef, params = nnx.split(model)
     self.param_shardings = sh.param_shardings(params, self.mesh)
     self.params = sh.shard_tree(params, self.param_shardings)
@@ -352,7 +353,8 @@ class Trainer:
   def _switch_schedule(self, schedule: SparsitySchedule) -> None:
     self.schedule = schedule
     self.attention = attention_spec(schedule, backend=self.cfg.attention_backend,
-                                    landmark_dtype=self.cfg.landmark_dtype)
+                                    landmark_dtype=self.cfg.landmark_dtype,
+                                    page_scorer=self.cfg.page_scorer)
     self.engine.set_attention(self.attention, None if schedule.is_dense else schedule)
     if self.cfg.distill:
       self._build_programs()

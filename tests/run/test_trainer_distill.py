@@ -131,3 +131,28 @@ def test_no_lora_step_below_distill_min_gap(tmp_path):
   assert len(before) == len(after)
   for x, y in zip(before, after):
     np.testing.assert_array_equal(x, np.asarray(y))
+
+
+def test_triton_interpret_rollouts_score_pages_with_the_kernel_and_replay_them(tmp_path):
+  """attention_backend=pallas_interpret: the engine decodes through the Triton kernels in the
+  interpreter, its pages scored by the page-score kernel; the exact alpha and the replay check
+  rerun the sparse actor teacher-forced in XLA and select the very same pages (replay within
+  1e-4: a page chosen differently would move a log-prob by far more). page_scorer=xla keeps the
+  XLA scoring in the same trainer."""
+  tr = _trainer(tmp_path / "kernel", "num_steps=1", "temperature=0.7",
+                "attention_backend=pallas_interpret", "exact_alpha_every=1",
+                "exact_alpha_rows=0")
+  assert tr.attention.backend == "pallas_interpret" and tr.attention.page_scorer == "auto"
+  assert tr.engine.attention is tr.attention
+  tr.fit()
+  _assert_exact_alpha_bounded_below_by_the_monitor(
+      read_jsonl(str(tmp_path / "kernel" / "metrics.jsonl"))[1])
+  off = _trainer(tmp_path / "xla", "num_steps=1", "attention_backend=pallas_interpret",
+                 "page_scorer=xla", "schedule=constant:3", "ladder=constant:1",
+                 "distill=true")
+  assert off.attention.page_scorer == "xla" and off.engine.attention.page_scorer == "xla"
+  off._switch_schedule(off.ladder.candidate)  # what a ladder switch does: the key stays
+  assert off.schedule.budgets == (1,)
+  assert off.attention.page_scorer == "xla" and off.engine.attention.page_scorer == "xla"
+  with pytest.raises(ValueError, match="page_scorer='triton'"):
+    get_train_config("tiny", ["page_scorer=triton"])
