@@ -343,8 +343,7 @@ def kernels_vs_reference(run: Run) -> dict:
       want = jax.jit(lambda q, lm, t: selection.score_pages(
           q, selection.gather_landmarks(lm, t), "mean"))(q, lm, table)
       got = jax.jit(lambda q, lm, t, n: page_scores.page_scores(
-          selection.group_mean_queries(q, lm.shape[0]), lm, t, n,
-          interpret=scorer == "pallas_interpret"))(q, lm, table, n)
+          q, lm, t, n, interpret=scorer == "pallas_interpret"))(q, lm, table, n)
       exists = (jnp.arange(table.shape[1])[None, :] < n[:, None])[:, None, :]
       err = _rel_err(jnp.where(exists, got, 0.0), jnp.where(exists, want, 0.0))
       checks.append(dict(shape=label, impl="page_scores_kernel", rel_err=err,
@@ -379,8 +378,7 @@ def sparse_bandwidth(run: Run) -> dict:
   num_pages = (lengths + z.page_size - 1) // z.page_size
   scorer = dispatch.page_scorer(run.backend)
   score_kernel = jax.jit(lambda q, lm, table, n: page_scores.page_scores(
-      selection.group_mean_queries(q, lm.shape[0]), lm, table, n,
-      interpret=scorer == "pallas_interpret"))
+      q, lm, table, n, interpret=scorer == "pallas_interpret"))
   score_ms, score_kernel_ms, lm_bytes = {}, {}, {}
   for name, lm in landmarks.items():
     if run.has_time(f"score {name}"):

@@ -15,7 +15,7 @@ What is compiled (`targets`):
             attention shape of every model preset (head dim, GQA group) and of the GPU suite's
             check shapes, page size 16, bf16 and float32 caches: what `Dense()` / `BlockSparse`
             run with `backend="pallas"`; and the page-score kernel (`page_scores.py`) per head
-            dim with bf16 and float32 landmarks.
+            dim, mean and quest ("scores_quest") landmarks, bf16 and float32.
   sweep     the GPU suite's dense launch sweep (`gpu_suite.FULL.dense_configs`) at its bench
             shape (16 q / 8 kv heads x 128, bf16, page 16).
 A row fails ("SPILL", "SMEM") on a register spill or on more than 227 KiB of shared memory per
@@ -60,7 +60,7 @@ SUITE_BENCH = (16, 8, 128)  # sections c/d: Qwen3-1.7B attention
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-  kernel: str  # "dense" | "sparse" | "scores" (the page-score kernel)
+  kernel: str  # "dense" | "sparse" | "scores" / "scores_quest" (the page-score kernel)
   config: object  # PagedDecodeConfig | SparseDecodeConfig | None (scores)
   dtype: str  # the cache dtype; for "scores" the landmark dtype
   heads: int
@@ -137,15 +137,19 @@ def targets(only: str = "all", models=None) -> list[Target]:
       for dtype in DTYPES:
         out.append(Target("dense", PagedDecodeConfig(), dtype, h, k, d, used_by, True))
         out.append(Target("sparse", SparseDecodeConfig(), dtype, h, k, d, used_by, True))
-    # The page-score kernel depends on the head dim and the landmark dtype only.
-    by_dim: dict = {}
-    for name, (h, k, d) in _shapes(models).items():
-      by_dim.setdefault(d, []).append((name, h, k))
-    for d, users in by_dim.items():
-      _, h, k = users[0]
-      for dtype in DTYPES:
-        out.append(Target("scores", None, dtype, h, k, d,
-                          ", ".join(name for name, _, _ in users), True))
+    # The page-score kernel: with mean landmarks it depends on the head dim and the landmark
+    # dtype only (the group mean is taken before it); with quest, also on the group (it
+    # unrolls the group's heads).
+    for kernel in ("scores", "scores_quest"):
+      by_dim: dict = {}
+      for name, (h, k, d) in _shapes(models).items():
+        by_dim.setdefault((d, h // k if kernel == "scores_quest" else 0), []).append(
+            (name, h, k))
+      for (d, _), users in by_dim.items():
+        _, h, k = users[0]
+        for dtype in DTYPES:
+          out.append(Target(kernel, None, dtype, h, k, d,
+                            ", ".join(name for name, _, _ in users), True))
     for name, (h, k, d, page) in _small_page_shapes(models).items():
       for dtype in DTYPES:
         for kernel, cls in (("dense", PagedDecodeConfig), ("sparse", SparseDecodeConfig)):
@@ -164,8 +168,10 @@ def targets(only: str = "all", models=None) -> list[Target]:
 def _args(t: Target):
   b, p, m, n = 4, 64, 32, 67
   s = jax.ShapeDtypeStruct
-  if t.kernel == "scores":  # qm [B, K, D] float32, landmarks [K, P, D], table, num_pages
-    return (s((b, t.kv_heads, t.head_dim), jnp.float32), s((t.kv_heads, p, t.head_dim), t.dtype),
+  if t.kernel.startswith("scores"):  # q [B, H, D], landmark pool(s) [K, P, D], table, count
+    pool = s((t.kv_heads, p, t.head_dim), t.dtype)
+    return (s((b, t.heads, t.head_dim), jnp.bfloat16),
+            (pool, pool) if t.kernel == "scores_quest" else pool,
             s((b, m), jnp.int32), s((b,), jnp.int32))
   base = (s((b, t.heads, t.head_dim), t.dtype),
           s((t.kv_heads, p, t.page_size, t.head_dim), t.dtype),
@@ -178,15 +184,18 @@ def _args(t: Target):
 
 def kernel_fn(t: Target):
   """The function compiling `t` launches its kernel through."""
-  if t.kernel == "scores":
-    return page_scores.page_scores
+  if t.kernel.startswith("scores"):
+    return functools.partial(page_scores.page_scores,
+                             kind="quest" if t.kernel == "scores_quest" else "mean")
   return functools.partial(paged_decode if t.kernel == "dense" else sparse_decode,
                            config=t.config)
 
 
-def config_text(cfg) -> str:
-  if cfg is None:
-    return f"page_scores(pages_per_block={page_scores.DEFAULT_PAGES_PER_BLOCK})"
+def config_text(cfg, kernel: str = "") -> str:
+  if cfg is None:  # the page-score kernel: its default block per landmark kind
+    block = (page_scores.QUEST_PAGES_PER_BLOCK if kernel == "scores_quest"
+             else page_scores.DEFAULT_PAGES_PER_BLOCK)
+    return f"page_scores(pages_per_block={block})"
   fields = dataclasses.asdict(cfg)
   default = dataclasses.asdict(type(cfg)())
   changed = {k: v for k, v in fields.items() if v != default[k]}
@@ -195,8 +204,9 @@ def config_text(cfg) -> str:
 
 def compile_target(t: Target, limits: gpu_compile.GpuLimits = gpu_compile.H200) -> dict:
   """One JSON row: kernel, config, dtype, registers, spill_bytes, shared_bytes and the rest."""
-  row = dict(kernel=t.kernel, config=config_text(t.config), dtype=t.dtype, head_dim=t.head_dim,
-             group=t.group, page_size=t.page_size, used_by=t.used_by, gating=t.gating)
+  row = dict(kernel=t.kernel, config=config_text(t.config, t.kernel), dtype=t.dtype,
+             head_dim=t.head_dim, group=t.group, page_size=t.page_size, used_by=t.used_by,
+             gating=t.gating)
   try:
     (res,) = gpu_compile.compile_fn(kernel_fn(t), *_args(t), limits=limits)
   except ValueError as e:  # the config's own shared-memory check refused the block shape

@@ -37,7 +37,7 @@ class BlockSparse:
   `landmark_dtype`: "float32" or "bfloat16", the dtype the cache keeps landmarks in (and the
   teacher-forced forward rounds them to, so both select the same pages).
   `page_scorer`: how a decode step scores pages: "auto" (the Triton page-score kernel with
-  the Triton backends and mean landmarks, XLA otherwise: `dispatch.page_scorer`) or "xla"
+  the Triton backends, XLA otherwise: `dispatch.page_scorer`) or "xla"
   (always the XLA gather and scores; the GPU suite measures the two side by side).
   """
 

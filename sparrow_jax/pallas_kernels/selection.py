@@ -149,7 +149,7 @@ def gather_landmarks(landmarks, page_table):
   return one(landmarks)
 
 
-def _materialize(x):
+def materialize(x):
   """`x` (float32, [..., D]), computed once before its per-page uses.
 
   XLA:CPU fuses a cheap-looking producer into every consumer and recomputes it per output
@@ -172,7 +172,7 @@ def group_mean_queries(q, kv_heads: int):
   h, d = q.shape[-2:]
   g = h // kv_heads
   qg = q.astype(jnp.float32).reshape(*q.shape[:-2], kv_heads, g, d)  # [..., K, G, D]
-  return _materialize(tree_sum(qg, axis=-2) / g)
+  return materialize(tree_sum(qg, axis=-2) / g)
 
 
 def score_pages(q, landmarks, kind):
@@ -214,7 +214,7 @@ def score_pages(q, landmarks, kind):
     qm = group_mean_queries(q, kvh)  # [..., K, D]
     return tree_sum(qm[..., None, :] * landmarks.astype(jnp.float32), axis=-1)  # [..., K, M]
   kmin, kmax = (x.astype(jnp.float32)[..., :, None, :, :] for x in landmarks)  # [..,K,1,M,D]
-  qe = _materialize(qg)[..., None, :]  # [..., K, G, 1, D]
+  qe = materialize(qg)[..., None, :]  # [..., K, G, 1, D]
   per_head = tree_sum(jnp.maximum(qe * kmax, qe * kmin), axis=-1)  # [..., K, G, M]
   return jnp.max(per_head, axis=-2)  # [..., K, M]
 
@@ -318,10 +318,10 @@ def select_decode_pages(q, landmarks, page_table, lengths, budget, *, kind, max_
   """Selection for one decode step of one layer: gather, score and select.
 
   `scorer`: "xla" gathers the pages' landmarks and scores them in XLA (`score_pages`);
-  "pallas" / "pallas_interpret" score mean landmarks with the Triton kernel of
-  `page_scores` (compiled / in the interpreter), which reads them through the page table
-  without materialising the gather (quest landmarks, or a head dim that is not a power of
-  two, stay on XLA). Scores agree to float32 rounding between the two.
+  "pallas" / "pallas_interpret" score them with the Triton kernel of `page_scores`
+  (compiled / in the interpreter), which reads them through the page table without
+  materialising the gather (a head dim that is not a power of two stays on XLA). Scores
+  agree to float32 rounding between the two.
 
   Args:
     q: [B, H, D] queries of the current token.
@@ -341,10 +341,9 @@ def select_decode_pages(q, landmarks, page_table, lengths, budget, *, kind, max_
   num_pages = (jnp.asarray(lengths, jnp.int32) + page_size - 1) // page_size  # [B]
   kind = as_landmark_kind(kind)
   d = q.shape[-1]
-  if scorer != "xla" and kind is LandmarkKind.MEAN and d & (d - 1) == 0:
+  if scorer != "xla" and d & (d - 1) == 0:
     from sparrow_jax.pallas_kernels import page_scores
-    qm = group_mean_queries(q, landmarks.shape[0])  # [B, K, D]
-    scores = page_scores.page_scores(qm, landmarks, page_table, num_pages,
+    scores = page_scores.page_scores(q, landmarks, page_table, num_pages, kind=kind,
                                      interpret=scorer == "pallas_interpret")  # [B, K, M]
   else:
     gathered = gather_landmarks(landmarks, page_table)  # [B, K, M, D] (or a pair)

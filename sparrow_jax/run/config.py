@@ -62,7 +62,7 @@ class TrainConfig:
   dense_layers: str = ""  # comma-separated layers kept dense ("" = the schedule's own, 0,1)
   attention_backend: str = "auto"
   # How a decode step scores pages: auto (the Triton page-score kernel with the Triton
-  # backends and mean landmarks, XLA otherwise) | xla (always XLA's gather and scores).
+  # backends, XLA otherwise) | xla (always XLA's gather and scores).
   page_scorer: str = "auto"
   num_slots: int = 64  # concurrent sequences per device (each device runs its own engine shard)
   decode_chunk: int = 16

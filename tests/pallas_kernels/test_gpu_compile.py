@@ -69,7 +69,8 @@ def test_default_configs_fit_an_h200(script, capsys):
   assert rc == 0, err
   rows = json.loads(out.strip().splitlines()[-1])
   assert {(r["kernel"], r["dtype"]) for r in rows} == {
-      (k, d) for k in ("dense", "sparse", "scores") for d in ("bfloat16", "float32")}
+      (k, d) for k in ("dense", "sparse", "scores", "scores_quest")
+      for d in ("bfloat16", "float32")}
   for r in rows:
     assert {"kernel", "config", "dtype", "registers", "spill_bytes", "shared_bytes"} <= set(r)
     assert r["status"] == "ok" and r["spill_bytes"] == 0, r
