@@ -73,6 +73,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -299,6 +300,19 @@ def _rel_err(out, want) -> float:
 # Sections
 
 
+def _page_score_fns(run: Run):
+  """Mean-landmark page scores the sections compare, jitted: (XLA's gather + `score_pages`
+  (q, lm, table), the page-score kernel (q, lm, table, num_pages) or None where the backend
+  scores in XLA)."""
+  xla = jax.jit(lambda q, lm, table: selection.score_pages(
+      q, selection.gather_landmarks(lm, table), "mean"))
+  scorer = dispatch.page_scorer(run.backend)
+  if scorer == "xla":
+    return xla, None
+  return xla, jax.jit(lambda q, lm, table, n: page_scores.page_scores(
+      q, lm, table, n, interpret=scorer == "pallas_interpret"))
+
+
 SCORE_TOL = 1e-5  # float32 page scores: the same sums, up to FMA contraction
 
 
@@ -334,16 +348,13 @@ def kernels_vs_reference(run: Run) -> dict:
       want = sparse_ref if impl.startswith("sparse") else dense_ref
       err = _rel_err(out, want)
       checks.append(dict(shape=label, impl=impl, rel_err=err, ok=bool(err <= tol)))
-    scorer = dispatch.page_scorer(run.backend)
-    if scorer != "xla":  # the page-score kernel against the XLA scores, on existing pages
+    score_xla, score_kernel = _page_score_fns(run)
+    if score_kernel is not None:  # the page-score kernel against the XLA scores
       q, k_pages, _, table, lengths = case
       lm = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], k_pages.shape[2]),
                                        "mean")
       n = (lengths + z.page_size - 1) // z.page_size
-      want = jax.jit(lambda q, lm, t: selection.score_pages(
-          q, selection.gather_landmarks(lm, t), "mean"))(q, lm, table)
-      got = jax.jit(lambda q, lm, t, n: page_scores.page_scores(
-          q, lm, t, n, interpret=scorer == "pallas_interpret"))(q, lm, table, n)
+      want, got = score_xla(q, lm, table), score_kernel(q, lm, table, n)
       exists = (jnp.arange(table.shape[1])[None, :] < n[:, None])[:, None, :]
       err = _rel_err(jnp.where(exists, got, 0.0), jnp.where(exists, want, 0.0))
       checks.append(dict(shape=label, impl="page_scores_kernel", rel_err=err,
@@ -373,17 +384,14 @@ def sparse_bandwidth(run: Run) -> dict:
   copy = copy_gbps(run)
   lm32 = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], z.page_size), "mean")
   landmarks = {"float32": lm32, "bfloat16": lm32.astype(jnp.bfloat16)}  # [K, P, D]
-  score = jax.jit(lambda q, lm, table: selection.score_pages(
-      q, selection.gather_landmarks(lm, table), "mean"))
+  score, score_kernel = _page_score_fns(run)
   num_pages = (lengths + z.page_size - 1) // z.page_size
   scorer = dispatch.page_scorer(run.backend)
-  score_kernel = jax.jit(lambda q, lm, table, n: page_scores.page_scores(
-      q, lm, table, n, interpret=scorer == "pallas_interpret"))
   score_ms, score_kernel_ms, lm_bytes = {}, {}, {}
   for name, lm in landmarks.items():
     if run.has_time(f"score {name}"):
       score_ms[name] = run.time_ms(score, q, lm, table)
-      if scorer != "xla":  # the Triton page-score kernel (not on the TPU backends)
+      if score_kernel is not None:  # the Triton page-score kernel (not on the TPU backends)
         score_kernel_ms[name] = run.time_ms(score_kernel, q, lm, table, num_pages)
       lm_bytes[name] = int(np.prod(table.shape)) * z.kv_heads * z.head_dim * lm.dtype.itemsize
   scores = score(q, lm32, table)  # [B, K, M]
@@ -545,6 +553,35 @@ def _preset_landmark_dtype(model: str) -> str:
   return preset.landmark_dtype if preset is not None else "float32"
 
 
+def _engine_parts(run: Run, max_position: int):
+  """What sections e and i build their engines from: the random-init bf16 model of
+  `run.engine`, the published schedule, and the dense and sparse attention (the sparse one
+  with the landmark dtype of the model's training preset, budgets up to `max_position`)."""
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.decoder import init_model
+  from sparrow_jax.schedule import get_schedule
+  from sparrow_jax.schedule.schedule import attention_spec
+
+  z = run.engine
+  mcfg = get_config(z["model"], dtype="bfloat16", param_dtype="bfloat16", **z["overrides"])
+  sched_ = get_schedule("qwen3-1.7b-0.86")
+  backend = run.backend.value
+  sparse = attention_spec(sched_, max_position=max_position, backend=backend,
+                          landmark_dtype=_preset_landmark_dtype(z["model"]))
+  return mcfg, init_model(mcfg), sched_, attn_lib.Dense(backend=backend), sparse
+
+
+def _engine_config(run: Run, context: int, chunks: int, page_size: int):
+  """The engine of sections e and i: `run.engine`'s slots, room for `context` tokens plus
+  `chunks` + 2 decode chunks."""
+  from sparrow_jax.engine.engine import EngineConfig
+
+  z = run.engine
+  return EngineConfig(num_slots=z["batch"], max_seq_len=context + z["chunk"] * (chunks + 2)
+                      + page_size, page_size=page_size, decode_chunk=z["chunk"])
+
+
 def decode_step_ms(run: Run, engine, state, steps: int) -> float:
   """Median ms per decode step over `repeats` chunks (the first, compiling one, excluded)."""
   times = []
@@ -564,30 +601,19 @@ def engine_decode(run: Run) -> dict:
   the sparse one, with the landmark dtype of the model's training preset (bf16; float32 in
   runs 1-6 of 2026-12-04); at the first context also the sparse engine with XLA page scoring
   (`BlockSparse.page_scorer="xla"`) where the backend scores with the kernel."""
-  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
-  from sparrow_jax.models import attention as attn_lib
-  from sparrow_jax.models.config import get_config
-  from sparrow_jax.models.decoder import init_model
-  from sparrow_jax.schedule import get_schedule
-  from sparrow_jax.schedule.schedule import attention_spec, budget_pages
+  from sparrow_jax.engine.engine import GenerationEngine
+  from sparrow_jax.schedule.schedule import budget_pages
 
   z = run.engine
-  mcfg = get_config(z["model"], dtype="bfloat16", param_dtype="bfloat16", **z["overrides"])
-  model = init_model(mcfg)
-  sched_ = get_schedule("qwen3-1.7b-0.86")
-  backend = run.backend.value
-  sparse_att = attention_spec(sched_, max_position=max(z["contexts"]) + 1024, backend=backend,
-                              landmark_dtype=_preset_landmark_dtype(z["model"]))
+  mcfg, model, sched_, dense_att, sparse_att = _engine_parts(run, max(z["contexts"]) + 1024)
   rows = []
   for ctx in z["contexts"]:
     if not run.has_time(f"context {ctx}"):
       continue
     steps = z["chunk"]
-    max_len = ctx + steps * (run.sizes.repeats + 2) + sched_.page_size
-    ecfg = EngineConfig(num_slots=z["batch"], max_seq_len=max_len, page_size=sched_.page_size,
-                        decode_chunk=steps)
+    ecfg = _engine_config(run, ctx, run.sizes.repeats, sched_.page_size)
     out, errors = {}, {}
-    engines = [("dense", attn_lib.Dense(backend=backend), None), ("sparse", sparse_att, sched_)]
+    engines = [("dense", dense_att, None), ("sparse", sparse_att, sched_)]
     if ctx == z["contexts"][0] and dispatch.page_scorer(run.backend) != "xla":
       # the first context also with the XLA page scoring the kernel replaced (2026-12-04)
       engines.append(("sparse_xla_scores",
@@ -687,7 +713,6 @@ def kernel_group(name: str) -> str:
   """A kernel's name without XLA's numbering: `sort_57_1` -> `sort`, `gemm_fusion_dot_111` ->
   `gemm_fusion_dot`, `loop_select_fusion_2` -> `loop_select_fusion` (unrolled layers give
   every layer's copy of an op its own name; the group sums them)."""
-  import re
   return re.sub(r"(?:[._]\d+)+$", "", name) or name
 
 
@@ -699,29 +724,16 @@ def engine_profile(run: Run) -> dict:
   engine. On 2026-12-04 the sparse step at 32K took 12.96 ms where its bytes allow ~6.6."""
   import tempfile
 
-  from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
-  from sparrow_jax.models import attention as attn_lib
-  from sparrow_jax.models.config import get_config
-  from sparrow_jax.models.decoder import init_model
-  from sparrow_jax.schedule import get_schedule
-  from sparrow_jax.schedule.schedule import attention_spec
+  from sparrow_jax.engine.engine import GenerationEngine
 
   z = run.engine
   ctx, steps, chunks = z["contexts"][0], z["chunk"], 3
-  mcfg = get_config(z["model"], dtype="bfloat16", param_dtype="bfloat16", **z["overrides"])
-  model = init_model(mcfg)
-  sched_ = get_schedule("qwen3-1.7b-0.86")
-  backend = run.backend.value
-  max_len = ctx + steps * (chunks + 2) + sched_.page_size
-  ecfg = EngineConfig(num_slots=z["batch"], max_seq_len=max_len, page_size=sched_.page_size,
-                      decode_chunk=steps)
+  # section e's engines (the same static max budget: contexts + 1024 positions)
+  mcfg, model, sched_, dense_att, sparse_att = _engine_parts(run, max(z["contexts"]) + 1024)
+  ecfg = _engine_config(run, ctx, chunks, sched_.page_size)
   result = dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, context=ctx,
-                batch=z["batch"], steps=steps * chunks,
-                landmark_dtype=_preset_landmark_dtype(z["model"]))
-  for name, att, sch in (
-      ("sparse", attention_spec(sched_, max_position=max_len, backend=backend,
-                                landmark_dtype=_preset_landmark_dtype(z["model"])), sched_),
-      ("dense", attn_lib.Dense(backend=backend), None)):
+                batch=z["batch"], steps=steps * chunks, landmark_dtype=sparse_att.landmark_dtype)
+  for name, att, sch in (("sparse", sparse_att, sched_), ("dense", dense_att, None)):
     if not run.has_time(name):
       continue
     eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)

@@ -128,11 +128,7 @@ def page_scores(q, landmarks, page_table, num_pages, *, kind="mean",
 
   kind = selection.as_landmark_kind(kind)
   quest = kind is selection.LandmarkKind.QUEST
-  if quest != isinstance(landmarks, (tuple, list)) or (quest and len(landmarks) != 2):
-    raise ValueError(f"landmarks of type {type(landmarks).__name__}: {kind.value} expects "
-                     + ("a (min, max) pair of [K, P, D] arrays" if quest else
-                        "one [K, P, D] array"))
-  lms = tuple(landmarks) if quest else (landmarks,)
+  lms = selection.landmark_arrays(landmarks, kind, "[K, P, D]")
   if pages_per_block is None:
     pages_per_block = QUEST_PAGES_PER_BLOCK if quest else DEFAULT_PAGES_PER_BLOCK
   num_pages = jnp.asarray(num_pages, jnp.int32)

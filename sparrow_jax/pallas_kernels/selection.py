@@ -175,6 +175,19 @@ def group_mean_queries(q, kv_heads: int):
   return materialize(tree_sum(qg, axis=-2) / g)
 
 
+def landmark_arrays(landmarks, kind, dims: str) -> tuple:
+  """`landmarks` as a tuple of arrays after checking they fit `kind` (a LandmarkKind): one
+  array for mean, a (min, max) pair for quest; `dims` names their shape in the error."""
+  if kind is LandmarkKind.QUEST:
+    if not isinstance(landmarks, (tuple, list)) or len(landmarks) != 2:
+      raise ValueError(f"landmarks of type {type(landmarks).__name__}: quest expects a "
+                       f"(min, max) pair of {dims} arrays")
+    return tuple(landmarks)
+  if isinstance(landmarks, (tuple, list)):
+    raise ValueError(f"landmarks is a tuple: mean expects one {dims} array")
+  return (landmarks,)
+
+
 def score_pages(q, landmarks, kind):
   """Scores of pages for the current queries, one per kv head (shared by its GQA group).
 
@@ -193,26 +206,17 @@ def score_pages(q, landmarks, kind):
     [..., K, M] float32 scores.
   """
   kind = as_landmark_kind(kind)
-  if kind is LandmarkKind.QUEST:
-    if not isinstance(landmarks, (tuple, list)) or len(landmarks) != 2:
-      raise ValueError(f"landmarks of type {type(landmarks).__name__}: quest expects a "
-                       "(min, max) pair of [..., K, M, D] arrays")
-    ref = landmarks[0]
-  else:
-    if isinstance(landmarks, (tuple, list)):
-      raise ValueError("landmarks is a tuple: mean expects one [..., K, M, D] array")
-    ref = landmarks
+  ref = landmark_arrays(landmarks, kind, "[..., K, M, D]")[0]
   h, d = q.shape[-2:]
   kvh = ref.shape[-3]
   if ref.shape[-1] != d:
     raise ValueError(f"landmarks head dim {ref.shape[-1]}: expected q head dim {d}")
   if h % kvh:
     raise ValueError(f"q has H={h} heads: expected a multiple of the K={kvh} kv heads")
-  g = h // kvh
-  qg = q.astype(jnp.float32).reshape(*q.shape[:-2], kvh, g, d)  # [..., K, G, D]
   if kind is LandmarkKind.MEAN:
     qm = group_mean_queries(q, kvh)  # [..., K, D]
     return tree_sum(qm[..., None, :] * landmarks.astype(jnp.float32), axis=-1)  # [..., K, M]
+  qg = q.astype(jnp.float32).reshape(*q.shape[:-2], kvh, h // kvh, d)  # [..., K, G, D]
   kmin, kmax = (x.astype(jnp.float32)[..., :, None, :, :] for x in landmarks)  # [..,K,1,M,D]
   qe = materialize(qg)[..., None, :]  # [..., K, G, 1, D]
   per_head = tree_sum(jnp.maximum(qe * kmax, qe * kmin), axis=-1)  # [..., K, G, M]

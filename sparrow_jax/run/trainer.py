@@ -148,9 +148,7 @@ class Trainer:
     model, self.tokenizer = build_model(cfg)
     self.model_cfg: ModelConfig = model.cfg
     self.schedule = checked.schedule
-    self.attention = attention_spec(self.schedule, backend=cfg.attention_backend,
-                                    landmark_dtype=cfg.landmark_dtype,
-                                    page_scorer=cfg.page_scorer)
+    self.attention = self._attention_spec(self.schedule)
     self.graphdef, params = nnx.split(model)
     self.param_shardings = sh.param_shardings(params, self.mesh)
     self.params = sh.shard_tree(params, self.param_shardings)
@@ -350,11 +348,16 @@ class Trainer:
     if self.cfg.release_kv_cache:
       self.engine.release_kv_pool()
 
+  def _attention_spec(self, schedule: SparsitySchedule):
+    """The attention a schedule implies, with this run's backend, landmark dtype and page
+    scorer."""
+    return attention_spec(schedule, backend=self.cfg.attention_backend,
+                          landmark_dtype=self.cfg.landmark_dtype,
+                          page_scorer=self.cfg.page_scorer)
+
   def _switch_schedule(self, schedule: SparsitySchedule) -> None:
     self.schedule = schedule
-    self.attention = attention_spec(schedule, backend=self.cfg.attention_backend,
-                                    landmark_dtype=self.cfg.landmark_dtype,
-                                    page_scorer=self.cfg.page_scorer)
+    self.attention = self._attention_spec(schedule)
     self.engine.set_attention(self.attention, None if schedule.is_dense else schedule)
     if self.cfg.distill:
       self._build_programs()
