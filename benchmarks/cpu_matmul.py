@@ -8,7 +8,8 @@ is an [M, hidden] x [hidden, mlp] product per matrix, and for small M it should 
 reading the weights costs. This script times exactly that, XLA's `x @ w` over `--mats`
 distinct weight matrices of the preset's MLP shape (together far larger than the caches, so
 every call streams them from memory), for every M of `--rows`, in float32 and bfloat16
-(float32 accumulation), and the same products in torch (`F.linear`, the layout transformers
+(float32 accumulation), in int8 (weight-only: `x @ w.astype(float32) * scale`; and int8
+activations too, int32 accumulation), and the same products in torch (`F.linear`, the layout transformers
 uses) when torch is installed. Beside them: the machine's streaming read rate (a sum over 256
 MB, as `step_profile.py` measures it) and what the rates mean for one decode step of the
 preset (its parameter bytes / the rate).
@@ -45,6 +46,27 @@ def xla_rate(mats, rows: int, dtype, repeats: int) -> float:
   f = jax.jit(lambda x, ws: sum(jnp.dot(x, w, preferred_element_type=jnp.float32)
                                 for w in ws))
   return _median_time(f, x, mats, repeats=repeats)
+
+
+def xla_int8_rate(mats, scales, rows: int, repeats: int, *, int8_activations: bool) -> float:
+  """Seconds for the same products with int8 weights and per-column float32 scales.
+
+  `int8_activations=False`: weight-only quantization, `x @ w.astype(float32) * scale` (what a
+  weight-only int8 decode would compile to). True: the rows quantized too (one scale per row),
+  an int8 x int8 product accumulated in int32, then both scales applied.
+  """
+  x = jnp.ones((rows, mats[0].shape[0]), jnp.float32)
+
+  def one(x, w, s):
+    if not int8_activations:
+      return jnp.dot(x, w.astype(jnp.float32)) * s
+    xs = jnp.maximum(jnp.max(jnp.abs(x), axis=-1, keepdims=True), 1e-12) / 127.0
+    xq = jnp.round(x / xs).astype(jnp.int8)
+    acc = jax.lax.dot(xq, w, preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32) * xs * s
+
+  f = jax.jit(lambda x, ws, ss: sum(one(x, w, s) for w, s in zip(ws, ss)))
+  return _median_time(f, x, mats, scales, repeats=repeats)
 
 
 def torch_rate(mats, rows: int, repeats: int) -> float:
@@ -96,6 +118,17 @@ def main(argv=None) -> int:
     cols.append((name, jnp.dtype(dt).itemsize,
                  {m: xla_rate(mats, m, dt, args.repeats) for m in rows}))
     del mats
+  # int8 weights (per-column scales): a quarter of float32's bytes, if XLA streamed them
+  mats, scales = [], []
+  for _ in range(args.mats):
+    w = rng.standard_normal((d, f)).astype(np.float32)
+    sc = np.abs(w).max(axis=0) / 127.0
+    mats.append(jnp.asarray(np.round(w / sc).astype(np.int8)))
+    scales.append(jnp.asarray(sc, jnp.float32))
+  for name, act in (("XLA int8 weights", False), ("XLA int8 x int8", True)):
+    cols.append((name, 1, {m: xla_int8_rate(mats, scales, m, args.repeats,
+                                            int8_activations=act) for m in rows}))
+  del mats, scales
   if not args.no_torch:
     try:
       import torch
@@ -123,7 +156,8 @@ def main(argv=None) -> int:
       step.append(f"{params * size / (nbytes_el * size / s) * 1e3:.1f}")
     print(f"| {m} | " + " | ".join(cells) + " | " + " | ".join(step) + " |", flush=True)
   print(f"\nAt the streaming rate a step's weight read takes {params * 4 / stream * 1e3:.1f} ms "
-        f"in float32, {params * 2 / stream * 1e3:.1f} ms in bfloat16.")
+        f"in float32, {params * 2 / stream * 1e3:.1f} ms in bfloat16, "
+        f"{params / stream * 1e3:.1f} ms in int8.")
   return 0
 
 
