@@ -5,6 +5,7 @@ an aggressive constant budget, with and without DistillSparse, same seeds and da
     python experiments/sparse_rl_study.py --arms dense,aggressive --seeds 0,1   # run/resume
     python experiments/sparse_rl_study.py --calibrate                # the tau arm's schedule
     python experiments/sparse_rl_study.py --arms tau                 # ... used by default
+    python experiments/sparse_rl_study.py --calibrate --arms tau_margin   # at tau + 0.02
     python experiments/sparse_rl_study.py --report                   # docs/sparse_rl_study.md
 
 Model and task: the `smollm2_135m_study` preset (SmolLM2-135M-Instruct from the shipped GGUF,
@@ -14,6 +15,9 @@ Arms (`ARMS`): `dense` (schedule=dense); `tau` (a schedule calibrated on this mo
 tau=0.86: `--calibrate` runs experiments/calibrate.py on the first `--calib-prompts` training
 prompts of seed 0 with the run's page size, bin size, dense layers and response length, into
 RUNS/calib/schedule.json, which the arm then uses unless `--tau-schedule` names another);
+`tau_margin` (the same calibration at tau + `--calib-margin`, default 0.02, into
+RUNS/calib_margin: `--calibrate --arms tau_margin`; the arm trains and is judged at tau, so
+the margin is headroom for bins the calibration left at tau exactly);
 `aggressive` (`--aggressive`, default constant:2, whose p5 lies well under tau at these
 lengths); `aggressive_distill` (the same with DistillSparse). Every arm of a seed trains from the same start on the same prompts in
 the same order (the data order and request seeds follow the run seed).
@@ -51,7 +55,8 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-ARMS = ("dense", "tau", "aggressive", "aggressive_distill")
+ARMS = ("dense", "tau", "tau_margin", "aggressive", "aggressive_distill")
+CALIB_DIRS = {"tau": "calib", "tau_margin": "calib_margin"}  # RUNS/<dir>/schedule.json
 # Per-step logging the study reads; checkpoints often enough that a stopped arm loses little.
 BASE = ["exact_alpha_every=1", "tensorboard=false", "sample_every=0", "save_every=2",
         "keep_last=2"]
@@ -60,12 +65,14 @@ BASE = ["exact_alpha_every=1", "tensorboard=false", "sample_every=0", "save_ever
 def arm_overrides(arm: str, args) -> list[str]:
   if arm == "dense":
     return ["schedule=dense", "distill=false"]
-  if arm == "tau":
-    path = args.tau_schedule or os.path.join(args.runs, "calib", "schedule.json")
+  if arm in CALIB_DIRS:
+    given = args.tau_schedule if arm == "tau" else args.tau_margin_schedule
+    path = given or os.path.join(args.runs, CALIB_DIRS[arm], "schedule.json")
     if not os.path.exists(path):
-      raise ValueError(f"arm 'tau' needs a schedule calibrated on this model: {path} does not "
-                       "exist (run --calibrate first, or pass --tau-schedule FILE)")
-    return [f"schedule={path}", "distill=false"]
+      flag = "--tau-schedule" if arm == "tau" else "--tau-margin-schedule"
+      raise ValueError(f"arm {arm!r} needs a schedule calibrated on this model: {path} does not "
+                       f"exist (run --calibrate --arms {arm} first, or pass {flag} FILE)")
+    return [f"schedule={path}", "distill=false"]  # trained and judged at the preset's tau
   if arm == "aggressive":
     return [f"schedule={args.aggressive}", "distill=false"]
   if arm == "aggressive_distill":
@@ -134,10 +141,11 @@ def write_split(runs: str, preset: str, n_train: int, n_heldout: int, keys: list
   return paths
 
 
-def calibration_command(args) -> list[str]:
-  """experiments/calibrate.py's arguments for the tau arm's schedule: the run's model, page
-  size, position bins, dense layers, response length, temperature and slots; prompts = the
-  first `--calib-prompts` training prompts of seed 0, written into RUNS."""
+def calibration_command(args, arm: str = "tau") -> list[str]:
+  """experiments/calibrate.py's arguments for the `tau` arm's schedule (at the preset's tau)
+  or the `tau_margin` arm's (at tau + `--calib-margin`, into RUNS/calib_margin): the run's
+  model, page size, position bins, dense layers, response length, temperature and slots;
+  prompts = the first `--calib-prompts` training prompts of seed 0, written into RUNS."""
   from sparrow_jax.run.builders import build_examples, build_schedule
   from sparrow_jax.run.config import get_train_config
 
@@ -147,13 +155,17 @@ def calibration_command(args) -> list[str]:
     for e in build_examples(cfg)[:args.calib_prompts]:
       f.write(json.dumps({"prompt": e.prompt}) + "\n")
   sched = build_schedule(cfg)  # the preset's sparse schedule: its dense layers and reserve
+  tau = cfg.tau + (args.calib_margin if arm == "tau_margin" else 0.0)
+  if not 0.0 < tau <= 1.0:
+    raise ValueError(f"--calib-margin {args.calib_margin}: tau + margin = {tau:g} is not in "
+                     "(0, 1]")
   argv = [os.path.join("experiments", "calibrate.py"), "--config", cfg.model,
-          "--prompts", prompts, "--budgets", args.calib_budgets, "--tau", str(cfg.tau),
+          "--prompts", prompts, "--budgets", args.calib_budgets, "--tau", f"{tau:g}",
           "--bin-size", str(cfg.mismatch_bin_size), "--page-size", str(cfg.page_size),
           "--max-new-tokens", str(cfg.max_new_tokens), "--num-slots", str(cfg.num_slots),
           "--temperature", str(cfg.temperature), "--dense-layers",
           ",".join(str(i) for i in sched.dense_layers), "--out",
-          os.path.join(args.runs, "calib"), "--no-progress"]
+          os.path.join(args.runs, CALIB_DIRS[arm]), "--no-progress"]
   if cfg.model_path:
     argv += ["--model-path", cfg.model_path]
   if not cfg.chat_template:
@@ -522,8 +534,14 @@ def main(argv=None) -> int:
   ap.add_argument("--aggressive", default="constant:2", help="the aggressive arms' schedule")
   ap.add_argument("--tau-schedule", default="",
                   help="the tau arm's schedule (default: RUNS/calib/schedule.json)")
+  ap.add_argument("--tau-margin-schedule", default="",
+                  help="the tau_margin arm's schedule (default: RUNS/calib_margin/schedule.json)")
   ap.add_argument("--calibrate", action="store_true",
-                  help="calibrate the tau arm's schedule on this model and stop")
+                  help="calibrate the schedule of each of tau / tau_margin in --arms (tau "
+                       "if neither) on this model and stop")
+  ap.add_argument("--calib-margin", type=float, default=0.02,
+                  help="the tau_margin arm's calibration target above tau (the arm trains "
+                       "and is judged at tau)")
   ap.add_argument("--calib-prompts", type=int, default=24, help="prompts to calibrate on")
   ap.add_argument("--calib-budgets", default="2,4,8,16,32",
                   help="budgets the calibration scores (pages of the preset's page size)")
@@ -548,6 +566,10 @@ def main(argv=None) -> int:
   try:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     seeds = [int(s) for s in args.seeds.split(",")]
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+      raise ValueError(f"--arms: unknown arm(s) {', '.join(unknown)}; expected some of "
+                       f"{', '.join(ARMS)}")
     if not (args.calibrate or args.precheck):
       for a in arms:
         arm_overrides(a, args)  # every arm's arguments checked before any work
@@ -571,13 +593,14 @@ def main(argv=None) -> int:
                         args.heldout, list(args.keys))
       print(f"held-out set: {n} problems -> {args.heldout_path}")
     if args.calibrate:
-      argv = calibration_command(args)
-      log = os.path.join(args.runs, "calib.log")
-      print(f"calibrating: python {' '.join(argv)}  (log {log})", flush=True)
-      rc, _ = _python(*argv, log=log)
-      if rc != 0:
-        raise RuntimeError(f"calibrate.py exited {rc}; see {log} (a rerun resumes)")
-      print(f"schedule -> {os.path.join(args.runs, 'calib', 'schedule.json')}")
+      for arm in [a for a in arms if a in CALIB_DIRS] or ["tau"]:
+        argv = calibration_command(args, arm)
+        log = os.path.join(args.runs, f"{CALIB_DIRS[arm]}.log")
+        print(f"calibrating ({arm}): python {' '.join(argv)}  (log {log})", flush=True)
+        rc, _ = _python(*argv, log=log)
+        if rc != 0:
+          raise RuntimeError(f"calibrate.py exited {rc}; see {log} (a rerun resumes)")
+        print(f"schedule -> {os.path.join(args.runs, CALIB_DIRS[arm], 'schedule.json')}")
       return 0
     if args.precheck:
       ev = _before(args)

@@ -54,6 +54,38 @@ def test_calibration_command_is_one_calibrate_py_accepts(tmp_path):
   assert prompts == [e.prompt for e in build_examples(cfg)][:5]
 
 
+def test_margin_arm_calibrates_above_tau_into_its_own_directory(tmp_path, capsys):
+  """tau_margin: calibrated at tau + --calib-margin into RUNS/calib_margin (the tau arm's
+  RUNS/calib untouched), trained with that schedule at the preset's tau; unknown arms and a
+  missing schedule are refused before any work."""
+  import argparse
+  import experiments.calibrate as calibrate
+  args = argparse.Namespace(preset="tiny", keys=["max_new_tokens=12"], runs=str(tmp_path),
+                            calib_prompts=5, calib_budgets="1,2", calib_margin=0.02,
+                            tau_schedule="", tau_margin_schedule="")
+  cfg = get_train_config("tiny", ["max_new_tokens=12"])
+  tau_argv = study.calibration_command(args, "tau")
+  margin_argv = study.calibration_command(args, "tau_margin")
+  tau_p, margin_p = (calibrate.build_parser().parse_args(a[1:]) for a in (tau_argv, margin_argv))
+  assert tau_p.tau == cfg.tau and margin_p.tau == pytest.approx(cfg.tau + 0.02)
+  assert tau_p.out == str(tmp_path / "calib") and margin_p.out == str(tmp_path / "calib_margin")
+  assert [a for a in tau_argv if a not in ("--tau", str(cfg.tau), tau_p.out)] == [
+      a for a in margin_argv if a not in ("--tau", f"{cfg.tau + 0.02:g}", margin_p.out)]
+  args.calib_margin = 0.5
+  with pytest.raises(ValueError, match="not in"):
+    study.calibration_command(args, "tau_margin")
+  with pytest.raises(ValueError, match="--tau-margin-schedule"):
+    study.arm_overrides("tau_margin", args)
+  (tmp_path / "calib_margin").mkdir()
+  (tmp_path / "calib_margin" / "schedule.json").write_text("{}")
+  assert study.arm_overrides("tau_margin", args) == [
+      f"schedule={tmp_path / 'calib_margin' / 'schedule.json'}", "distill=false"]
+  assert study.main(["--preset", "tiny", "--arms", "dense,tau_marg", "--runs",
+                     str(tmp_path / "r")]) == 2
+  assert "unknown arm(s) tau_marg" in capsys.readouterr().err
+  assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_arm_trains_resumes_and_reports(tmp_path, capsys, monkeypatch):
   runs, out = tmp_path / "runs", tmp_path / "out"
