@@ -150,15 +150,15 @@ def calibration_command(args, arm: str = "tau") -> list[str]:
   from sparrow_jax.run.config import get_train_config
 
   cfg = get_train_config(args.preset, list(args.keys) + ["seed=0"] + _data_keys(args))
+  tau = cfg.tau + (args.calib_margin if arm == "tau_margin" else 0.0)
+  if not 0.0 < tau <= 1.0:
+    raise ValueError(f"--calib-margin {args.calib_margin}: tau + margin = {tau:g} is not in "
+                     "(0, 1]")
   prompts = os.path.join(args.runs, "calib_prompts.jsonl")
   with open(prompts, "w") as f:
     for e in build_examples(cfg)[:args.calib_prompts]:
       f.write(json.dumps({"prompt": e.prompt}) + "\n")
   sched = build_schedule(cfg)  # the preset's sparse schedule: its dense layers and reserve
-  tau = cfg.tau + (args.calib_margin if arm == "tau_margin" else 0.0)
-  if not 0.0 < tau <= 1.0:
-    raise ValueError(f"--calib-margin {args.calib_margin}: tau + margin = {tau:g} is not in "
-                     "(0, 1]")
   argv = [os.path.join("experiments", "calibrate.py"), "--config", cfg.model,
           "--prompts", prompts, "--budgets", args.calib_budgets, "--tau", f"{tau:g}",
           "--bin-size", str(cfg.mismatch_bin_size), "--page-size", str(cfg.page_size),
