@@ -56,7 +56,9 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 ARMS = ("dense", "tau", "tau_margin", "aggressive", "aggressive_distill")
-CALIB_DIRS = {"tau": "calib", "tau_margin": "calib_margin"}  # RUNS/<dir>/schedule.json
+# The calibrated arms: RUNS/<dir>/schedule.json unless the flag names another file.
+CALIB_DIRS = {"tau": "calib", "tau_margin": "calib_margin"}
+CALIB_FLAGS = {"tau": "--tau-schedule", "tau_margin": "--tau-margin-schedule"}
 # Per-step logging the study reads; checkpoints often enough that a stopped arm loses little.
 BASE = ["exact_alpha_every=1", "tensorboard=false", "sample_every=0", "save_every=2",
         "keep_last=2"]
@@ -66,10 +68,10 @@ def arm_overrides(arm: str, args) -> list[str]:
   if arm == "dense":
     return ["schedule=dense", "distill=false"]
   if arm in CALIB_DIRS:
-    given = args.tau_schedule if arm == "tau" else args.tau_margin_schedule
+    flag = CALIB_FLAGS[arm]
+    given = getattr(args, flag[2:].replace("-", "_"))
     path = given or os.path.join(args.runs, CALIB_DIRS[arm], "schedule.json")
     if not os.path.exists(path):
-      flag = "--tau-schedule" if arm == "tau" else "--tau-margin-schedule"
       raise ValueError(f"arm {arm!r} needs a schedule calibrated on this model: {path} does not "
                        f"exist (run --calibrate --arms {arm} first, or pass {flag} FILE)")
     return [f"schedule={path}", "distill=false"]  # trained and judged at the preset's tau
