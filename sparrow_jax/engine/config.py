@@ -46,6 +46,11 @@ class EngineConfig:
   # the prefill's activations stay bounded. 0: every admitted prompt in one call. One row
   # always fits (a long readmission is never refused).
   max_prefill_tokens: int = 0
+  # CPU only: the decode step's projections and LM head through the C++ matmul
+  # (`sparrow_jax.cpu_kernels`) on a packed copy of the weights in this dtype ("float32":
+  # the same products; "bfloat16": half the bytes per step, rounded weights). None: XLA's
+  # products on the parameters. Prefill always uses the parameters.
+  cpu_decode_weights: str | None = None
 
   def __post_init__(self):
     for f in ("num_slots", "max_seq_len", "page_size", "decode_chunk", "min_page_bucket",
@@ -71,6 +76,9 @@ class EngineConfig:
         or self.max_prefill_tokens < 0):
       raise ValueError(f"EngineConfig.max_prefill_tokens={self.max_prefill_tokens!r}: expected "
                        "an int >= 0 (0 = no limit)")
+    if self.cpu_decode_weights not in (None, "float32", "bfloat16"):
+      raise ValueError(f"EngineConfig.cpu_decode_weights={self.cpu_decode_weights!r}: expected "
+                       "None, 'float32' or 'bfloat16'")
     if self.logprobs_topk < 0:
       raise ValueError(f"EngineConfig.logprobs_topk={self.logprobs_topk}: expected >= 0")
     if not 0 <= self.admission_watermark < 1:

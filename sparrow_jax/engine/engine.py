@@ -66,6 +66,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from sparrow_jax import cpu_kernels
+
 from sparrow_jax.engine.config import Completion, EngineConfig, Request, resolve_pool_pages
 from sparrow_jax.engine.outputs import OutputBuffers, RequestTable
 from sparrow_jax.engine.pruning import (DetectionTable, GroupTracker, PruneCandidate,
@@ -73,7 +75,7 @@ from sparrow_jax.engine.pruning import (DetectionTable, GroupTracker, PruneCandi
 from sparrow_jax.engine.scheduler import Scheduler, SeqState
 from sparrow_jax.engine.steps import AXIS, DeviceSteps
 from sparrow_jax.models import attention as attn_lib
-from sparrow_jax.models.decoder import Decoder
+from sparrow_jax.models.decoder import Decoder, pack_decode_weights
 from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page
 from sparrow_jax.models.quality_head import init_quality_head
 from sparrow_jax.schedule.schedule import SparsitySchedule, as_schedule, max_budget
@@ -176,6 +178,10 @@ class GenerationEngine(DeviceSteps):
     self.mesh = Mesh(devices, (AXIS,))
     self.num_shards = len(devices)
     self.graphdef, state = nnx.split(model)
+    self._packed = None
+    self._pack_fn = None
+    if cfg.cpu_decode_weights is not None:
+      cpu_kernels.require(f"EngineConfig.cpu_decode_weights={cfg.cpu_decode_weights!r}")
     self.state = self._place_state(state)
     sparse = isinstance(self.attention, attn_lib.BlockSparse)
     landmark = self.attention.landmark if sparse else "none"
@@ -205,7 +211,16 @@ class GenerationEngine(DeviceSteps):
     dt = jnp.dtype(self.model_config.dtype)
     cast = lambda x: (x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating)
                       and x.dtype.itemsize > dt.itemsize else x)
-    return self._replicate(jax.tree.map(cast, state))
+    placed = self._replicate(jax.tree.map(cast, state))
+    if self.config.cpu_decode_weights is not None:
+      # The decode step's weights, packed for the C++ CPU matmul (one jitted pass over the
+      # parameters, again at every `set_state`); prefill keeps using `placed`.
+      if self._pack_fn is None:
+        dtype = jnp.dtype(self.config.cpu_decode_weights)
+        self._pack_fn = jax.jit(
+            lambda st: pack_decode_weights(nnx.merge(self.graphdef, st), dtype))
+      self._packed = self._replicate(self._pack_fn(placed))
+    return placed
 
   def _replicate(self, tree):
     """A pytree (parameters, LoRA, quality head) replicated on the rollout devices: placed
@@ -533,8 +548,10 @@ class GenerationEngine(DeviceSteps):
         order[r], row_seq[r] = s, s.index
     # A readmitted sequence recomputes its generated tokens as decode attended to them.
     readmit = any(s.preemptions for s in admitted)
+    # Fresh prompts attend densely, through the decode backend's prefill path where it has
+    # one (`backend="cpu"`: the C++ causal kernel; others: `train_backend`'s default).
     attention = (self.attention if readmit and isinstance(self.attention, attn_lib.BlockSparse)
-                 else attn_lib.Dense())
+                 else attn_lib.Dense(backend=self.attention.backend))
     stop_ids, *params = run.table.rows(row_seq)
     det = ()
     if run.prune is not None:
@@ -625,8 +642,9 @@ class GenerationEngine(DeviceSteps):
       active = jnp.logical_and(active, self._rows(alive))
     cache = self._pool().replace(page_table=jnp.asarray(run.sched.page_table(width)))
     fn = self._get_decode(run.prune is not None, run.table.max_top_k)
+    packed = () if self._packed is None else (self._packed,)
     self._kv, outs, steps, rec, carry = fn(self.state, cache, tokens, active, remaining,
-                                           *params, run.budgets, run.lora, *det)
+                                           *params, run.budgets, run.lora, *det, *packed)
     return _Chunk(rows=rows, row_seq=row_seq, outs=outs, steps=steps, rec=rec, carry=carry,
                   params=params, det=det, occupied=alive.reshape(d, b).sum(axis=1))
 

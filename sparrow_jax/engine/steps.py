@@ -62,10 +62,11 @@ class DeviceSteps:
     return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
 
   def _decode_local(self, max_top_k, state, cache, tokens, active, remaining, stop_ids, seeds,
-                    temps, top_ps, top_ks, table, lora, det=None):
+                    temps, top_ps, top_ks, table, lora, det=None, packed=None):
     """Up to `decode_chunk` steps. `det` (pruning) = (head_params, det_stop_ids [S],
     prompt_len [B], det_end [B]): records the hidden state and head logit at the last stop
     token in the detection window [prompt_len, det_end] and at the latest token in it.
+    `packed`: the engine's `pack_decode_weights` copy (`EngineConfig.cpu_decode_weights`).
     Returns the final (token, active, remaining, tokens generated) too: the next chunk can
     start from them before the host has read this one."""
     model = nnx.merge(self.graphdef, state)
@@ -94,7 +95,7 @@ class DeviceSteps:
               jax.lax.dynamic_index_in_dim(sin_t, step, 0, keepdims=False))
       cache, logits, hidden = model.decode(cache, tok, active, attention=self.attention,
                                            budgets=budgets, lora=lora, return_hidden=True,
-                                           rope=rope)
+                                           rope=rope, packed=packed)
       if det is not None:
         hidden = hidden.astype(jnp.float32)
         rec = record_detection(rec, tok, pos, active, hidden, quality_logits(det[0], hidden),
@@ -136,8 +137,13 @@ class DeviceSteps:
     return self._prefill_fn[key]
 
   def _get_decode(self, with_det: bool = False, max_top_k: int = 0):
+    """The decode program: args (state, cache, tokens, active, remaining, stop_ids, seeds,
+    temps, top_ps, top_ks, table, lora[, det][, packed]): `det` with pruning, `packed` when
+    the engine keeps packed decode weights (`self._packed is not None`)."""
+    with_packed = self._packed is not None
     key = (self.attention, None if self.schedule is None
-           else (self.schedule.bin_size, self.schedule.num_bins), with_det, max_top_k)
+           else (self.schedule.bin_size, self.schedule.num_bins), with_det, max_top_k,
+           with_packed)
     if key not in self._decode_fn:
       def fn(state, cache, *args):
         self.num_compilations += 1
@@ -149,9 +155,16 @@ class DeviceSteps:
         if with_det:
           in_specs += ((P(), P(), rows, rows),)
           rec_specs = (rows,) * 6
+        if with_packed:
+          in_specs += (P(),)
         out_specs = (self._cache_specs(), (cols, cols, cols, cols), rows, rec_specs,
                      (rows,) * 4)
-        local = lambda st, ca, *a: self._decode_local(max_top_k, st, ca, *a)
+
+        def local(st, ca, *a):
+          a = list(a)
+          packed = a.pop() if with_packed else None
+          det = a.pop() if with_det else None
+          return self._decode_local(max_top_k, st, ca, *a, det=det, packed=packed)
         return self._shard(local, in_specs, out_specs)(state, cache, *args)
       self._decode_fn[key] = jax.jit(fn, donate_argnums=(1,))
     return self._decode_fn[key]

@@ -13,6 +13,7 @@ from typing import Union
 
 import jax.numpy as jnp
 
+from sparrow_jax import cpu_kernels
 from sparrow_jax.pallas_kernels import dispatch, selection, teacher_forced, train_attention
 
 
@@ -25,7 +26,7 @@ class Dense:
   train_backend: str = "auto"
 
   def __post_init__(self):
-    dispatch.Backend(self.backend)  # validates the name
+    dispatch.parse_backend(self.backend)  # validates the name
     train_attention.as_train_attention(self.train_backend)
 
 
@@ -65,7 +66,7 @@ class BlockSparse:
           f"BlockSparse reserved pages bos={self.reserved_bos} recent={self.reserved_recent}: "
           "expected bos >= 0 and recent >= 1 (the partial page is always attended)")
     object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
-    dispatch.Backend(self.backend)  # validates the name
+    dispatch.parse_backend(self.backend)  # validates the name
     if self.landmark_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"BlockSparse.landmark_dtype={self.landmark_dtype!r}: expected "
                        "'float32' or 'bfloat16'")
@@ -96,9 +97,16 @@ def causal_attention(q, k, v, lengths, *, query_chunk: int = 128, backend: str =
 
 
 def full_sequence_attention(spec: AttentionSpec, layer: int, q, k, v, *, lengths,
-                            budgets=None, prompt_lengths=None):
-  """Teacher-forced attention of one layer for whole sequences starting at position 0."""
+                            budgets=None, prompt_lengths=None, inference: bool = False):
+  """Teacher-forced attention of one layer for whole sequences starting at position 0.
+
+  `inference` (the engine's prefill, never differentiated): with `backend="cpu"` a dense
+  layer runs the C++ causal kernel (`cpu_kernels.causal_attention`) where it takes the head
+  dim, instead of the `train_backend` path."""
   if not is_sparse_layer(spec, layer):
+    if (inference and dispatch.parse_backend(spec.backend) is dispatch.Backend.CPU
+        and cpu_kernels.causal_attention_supported(q)):
+      return cpu_kernels.causal_attention(q, k, v, lengths)
     return causal_attention(q, k, v, lengths, backend=spec.train_backend)
   if budgets is None:
     raise ValueError("BlockSparse attention needs `budgets` [B, T] (pages per query position)")

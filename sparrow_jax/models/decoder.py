@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparrow_jax import cpu_kernels
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.sharding_hints import constrain_batch
 from sparrow_jax.models.config import ModelConfig
@@ -107,15 +108,23 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=pd)
       self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=pd)
 
-  def qkv(self, x, positions, lora=None, rope=None):
+  def qkv(self, x, positions, lora=None, rope=None, packed=None):
     """x `[..., D]` -> q `[..., N, H]`, k, v `[..., K, H]` with norms and RoPE applied.
-    `rope`: the (cos, sin) tables of `positions` when the caller computed them already."""
+    `rope`: the (cos, sin) tables of `positions` when the caller computed them already.
+    `packed`: this layer's `pack_decode_weights` entry (the C++ CPU matmul instead of XLA's)."""
     dt = self.dtype
     lora = lora or {}
     x = x.astype(dt)
-    q = jnp.einsum("...d,dnh->...nh", x, self.q_DNH.value.astype(dt))
-    k = jnp.einsum("...d,dkh->...kh", x, self.k_DKH.value.astype(dt))
-    v = jnp.einsum("...d,dkh->...kh", x, self.v_DKH.value.astype(dt))
+    if packed is not None:
+      _, n, h = self.q_DNH.value.shape
+      kv = self.k_DKH.value.shape[1]
+      q = _packed(x, packed["q"], n * h, dt).reshape(*x.shape[:-1], n, h)
+      k = _packed(x, packed["k"], kv * h, dt).reshape(*x.shape[:-1], kv, h)
+      v = _packed(x, packed["v"], kv * h, dt).reshape(*x.shape[:-1], kv, h)
+    else:
+      q = jnp.einsum("...d,dnh->...nh", x, self.q_DNH.value.astype(dt))
+      k = jnp.einsum("...d,dkh->...kh", x, self.k_DKH.value.astype(dt))
+      v = jnp.einsum("...d,dkh->...kh", x, self.v_DKH.value.astype(dt))
     q = _apply_lora(q, x, lora.get("q"), "...d,dr->...r", "...r,rnh->...nh", dt)
     k = _apply_lora(k, x, lora.get("k"), "...d,dr->...r", "...r,rkh->...kh", dt)
     v = _apply_lora(v, x, lora.get("v"), "...d,dr->...r", "...r,rkh->...kh", dt)
@@ -130,7 +139,7 @@ class Attention(nnx.Module):
                                                           self.cfg.rope_theta)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-  def out(self, o, lora=None):
+  def out(self, o, lora=None, packed=None):
     """o `[..., N, H]` -> `[..., D]`."""
     dt = self.dtype
     n, h, d = self.o_NHD.value.shape
@@ -138,7 +147,10 @@ class Attention(nnx.Module):
     # order: `einsum("...nh,nhd")` let XLA pick the order (h, n) and transpose the whole o
     # weight every call (a weight-sized copy per layer per decode step on CPU).
     o = o.astype(dt).reshape(*o.shape[:-2], n * h)
-    y = jnp.einsum("...c,cd->...d", o, self.o_NHD.value.astype(dt).reshape(n * h, d))
+    if packed is not None:
+      y = _packed(o, packed["o"], d, dt)
+    else:
+      y = jnp.einsum("...c,cd->...d", o, self.o_NHD.value.astype(dt).reshape(n * h, d))
     lora_o = (lora or {}).get("o")
     if lora_o is not None:
       lora_o = dict(lora_o, a=lora_o["a"].reshape(n * h, -1))
@@ -155,16 +167,24 @@ class MLP(nnx.Module):
     self.up_DF = _normal(rngs, (cfg.hidden_size, cfg.intermediate_size), pd)
     self.down_FD = _normal(rngs, (cfg.intermediate_size, cfg.hidden_size), pd)
 
-  def __call__(self, x, lora=None):
+  def __call__(self, x, lora=None, packed=None):
     dt = self.dtype
     lora = lora or {}
     x = x.astype(dt)
-    g = x @ self.gate_DF.value.astype(dt)
-    u = x @ self.up_DF.value.astype(dt)
+    f = self.gate_DF.value.shape[1]
+    if packed is not None:
+      g = _packed(x, packed["gate"], f, dt)
+      u = _packed(x, packed["up"], f, dt)
+    else:
+      g = x @ self.gate_DF.value.astype(dt)
+      u = x @ self.up_DF.value.astype(dt)
     g = _apply_lora(g, x, lora.get("gate"), "...d,dr->...r", "...r,rf->...f", dt)
     u = _apply_lora(u, x, lora.get("up"), "...d,dr->...r", "...r,rf->...f", dt)
     h = jax.nn.silu(g) * u
-    y = h @ self.down_FD.value.astype(dt)
+    if packed is not None:
+      y = _packed(h, packed["down"], self.down_FD.value.shape[1], dt)
+    else:
+      y = h @ self.down_FD.value.astype(dt)
     return _apply_lora(y, h, lora.get("down"), "...f,fr->...r", "...r,rd->...d", dt)
 
 
@@ -202,8 +222,10 @@ class Decoder(nnx.Module):
     """Final norm + LM head, accumulated and returned in float32."""
     return self.lm_head(self.final_norm(x))
 
-  def lm_head(self, xn):
+  def lm_head(self, xn, packed=None):
     """LM head on final-normed hidden states `[..., D]` -> float32 logits `[..., V]`."""
+    if packed is not None:
+      return cpu_kernels.packed_matmul(xn, packed, self.cfg.vocab_size)
     if self.cfg.tie_word_embeddings:
       w = self.embed_VD.value.astype(self.dtype)
       return jnp.einsum("...d,vd->...v", xn, w, preferred_element_type=jnp.float32)
@@ -334,7 +356,8 @@ class Decoder(nnx.Module):
       q, k, v = layer.attn.qkv(h, positions, ll)
       cache = cache.write_prompt(i, k, v, page_rows, lengths)
       o = attn_lib.full_sequence_attention(attention, i, q, k, v, lengths=lengths,
-                                           budgets=budgets, prompt_lengths=prompt_lengths)
+                                           budgets=budgets, prompt_lengths=prompt_lengths,
+                                           inference=True)
       x = x + layer.attn.out(o, ll)
       x = x + layer.mlp(layer.post_attn_norm(x), ll)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, D]
@@ -346,7 +369,7 @@ class Decoder(nnx.Module):
   # --- paged cache: one decode step -----------------------------------------------------
   def decode(self, cache: PagedKVCache, tokens, active, *,
              attention: attn_lib.AttentionSpec | None = None, budgets=None, lora=None,
-             return_hidden: bool = False, rope=None):
+             return_hidden: bool = False, rope=None, packed=None):
     """Append one token per slot and return its logits.
 
     Args:
@@ -360,6 +383,8 @@ class Decoder(nnx.Module):
         engine computes a whole chunk's once, outside its decode loop: XLA:CPU would otherwise
         fuse the cos/sin into the per-page scoring of block-sparse layers and re-evaluate them
         for every page).
+      packed: `pack_decode_weights(model, dtype)`: every projection and the LM head through
+        the C++ CPU matmul on these packed copies (the CPU platform only).
     Returns:
       (cache with lengths advanced for active slots, float32 logits `[B, V]`), plus the
       hidden state with `return_hidden`.
@@ -372,17 +397,43 @@ class Decoder(nnx.Module):
       rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [B, Dh] x2
     for i, layer in enumerate(self.layers):
       ll = self._layer_lora(lora, i)
+      pl = None if packed is None else packed["layers"][i]
       h = layer.input_norm(x)
-      q, k, v = layer.attn.qkv(h, positions, ll, rope=rope)  # [B, N, H], [B, K, H]
+      q, k, v = layer.attn.qkv(h, positions, ll, rope=rope, packed=pl)  # [B,N,H], [B,K,H]
       cache = cache.write_token(i, k, v, active)
       o = attn_lib.decode_attention(attention, i, q, cache, new_lengths, budgets=budgets)
-      x = x + layer.attn.out(o, ll)
-      x = x + layer.mlp(layer.post_attn_norm(x), ll)
+      x = x + layer.attn.out(o, ll, packed=pl)
+      x = x + layer.mlp(layer.post_attn_norm(x), ll, packed=pl)
     cache = cache.replace(lengths=new_lengths)
     xn = self.final_norm(x)
+    logits = self.lm_head(xn, packed=None if packed is None else packed["lm_head"])
     if return_hidden:
-      return cache, self.lm_head(xn), xn
-    return cache, self.lm_head(xn)
+      return cache, logits, xn
+    return cache, logits
+
+
+def _packed(x, w_packed, n: int, dt):
+  return cpu_kernels.packed_matmul(x, w_packed, n).astype(dt)
+
+
+def pack_decode_weights(model: Decoder, dtype) -> dict:
+  """Every projection and the LM head of `model` as `cpu_kernels.pack_weight` panels in
+  `dtype` (float32 or bfloat16), for `Decoder.decode(packed=...)` on the CPU: {"layers": [{q,
+  k, v, o, gate, up, down}], "lm_head"}. A copy beside the parameters (prefill and training
+  keep using those), made again whenever the parameters change."""
+  pack = lambda w: cpu_kernels.pack_weight(w, dtype)
+  layers = []
+  for layer in model.layers:
+    a, m = layer.attn, layer.mlp
+    d = a.q_DNH.value.shape[0]
+    layers.append({
+        "q": pack(a.q_DNH.value.reshape(d, -1)), "k": pack(a.k_DKH.value.reshape(d, -1)),
+        "v": pack(a.v_DKH.value.reshape(d, -1)),
+        "o": pack(a.o_NHD.value.reshape(-1, a.o_NHD.value.shape[-1])),
+        "gate": pack(m.gate_DF.value), "up": pack(m.up_DF.value), "down": pack(m.down_FD.value)})
+  head = (model.embed_VD.value.T if model.cfg.tie_word_embeddings
+          else model.lm_head_DV.value)
+  return {"layers": layers, "lm_head": pack(head)}
 
 
 def init_model(cfg: ModelConfig, seed: int = 0) -> Decoder:

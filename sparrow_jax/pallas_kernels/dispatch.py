@@ -18,6 +18,10 @@ cannot run here: there is no silent fallback. `sparse_decode_attention` (selecte
                     (Mosaic TPU, scalar-prefetched     (jax's `ops.tpu.paged_attention`;
                     pages, needs a TPU)                float32 caches: the block kernel)
   PALLAS_TPU_INTERPRET  the TPU kernels in TPU interpret mode (CPU; simulated DMAs; for tests).
+  CPU               `cpu_kernels.decode_attention`     the same C++ loop, over all of a
+                    (C++ through XLA's FFI, float32    slot's pages
+                    online softmax over the selected
+                    pages; the CPU platform only)
 
 A Mosaic GPU kernel can be added later as another member without touching the callers.
 """
@@ -28,6 +32,7 @@ import enum
 
 import jax
 
+from sparrow_jax import cpu_kernels
 from sparrow_jax.pallas_kernels import split_k
 from sparrow_jax.pallas_kernels.blocked_decode import dense_decode_blocked
 from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig, paged_decode
@@ -45,6 +50,7 @@ class Backend(enum.Enum):
   PALLAS_INTERPRET = "pallas_interpret"
   PALLAS_TPU = "pallas_tpu"
   PALLAS_TPU_INTERPRET = "pallas_tpu_interpret"
+  CPU = "cpu"
 
 
 def _has(platform: str) -> bool:
@@ -64,7 +70,7 @@ def is_tpu_backend(backend: Backend) -> bool:
 
 def is_kernel_backend(backend: Backend) -> bool:
   """A Pallas backend (its selection is padded to the kernel's blocks)."""
-  return backend is not Backend.XLA and backend is not Backend.AUTO
+  return backend not in (Backend.XLA, Backend.AUTO, Backend.CPU)
 
 
 def default_config(backend: Backend, page_size: int):
@@ -88,18 +94,25 @@ def page_scorer(backend: Backend) -> str:
   return "xla"
 
 
+def parse_backend(backend) -> Backend:
+  """`backend` (a Backend or its string value) as a Backend; ValueError naming the choices."""
+  if isinstance(backend, Backend):
+    return backend
+  try:
+    return Backend(backend)
+  except ValueError:
+    raise ValueError(f"backend={backend!r}: expected a Backend or one of "
+                     f"{[b.value for b in Backend]}") from None
+
+
 def resolve_backend(backend=Backend.AUTO) -> Backend:
   """Concrete backend for `backend` (a Backend or its string value) on this machine.
 
   AUTO -> PALLAS when a GPU is present, PALLAS_TPU when a TPU is, XLA otherwise. PALLAS
-  without a GPU and PALLAS_TPU without a TPU raise ValueError.
+  without a GPU, PALLAS_TPU without a TPU and CPU where its C++ kernels cannot be built (or
+  jax's default backend is not the CPU) raise ValueError.
   """
-  if not isinstance(backend, Backend):
-    try:
-      backend = Backend(backend)
-    except ValueError:
-      raise ValueError(f"backend={backend!r}: expected a Backend or one of "
-                       f"{[b.value for b in Backend]}") from None
+  backend = parse_backend(backend)
   match backend:
     case Backend.AUTO:
       if _has_gpu():
@@ -118,6 +131,12 @@ def resolve_backend(backend=Backend.AUTO) -> Backend:
             f"backend={backend.value!r}: the Pallas Mosaic TPU kernel needs a TPU, but jax "
             f"sees only {sorted({d.platform for d in jax.devices()})}; use 'xla' or "
             "'pallas_tpu_interpret'")
+      return backend
+    case Backend.CPU:
+      try:
+        cpu_kernels.require("backend='cpu'")
+      except RuntimeError as e:
+        raise ValueError(f"{e}; use 'xla'") from None
       return backend
     case _:
       return backend
@@ -158,6 +177,9 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx, 
     case Backend.PALLAS_TPU_INTERPRET:
       return sparse_decode_tpu(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
                                sm_scale=sm_scale, config=config, interpret=True)
+    case Backend.CPU:
+      return cpu_kernels.decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx,
+                                          valid, sm_scale=sm_scale)
     case other:
       raise AssertionError(f"unresolved backend {other}")
 
@@ -195,5 +217,8 @@ def dense_decode_attention(q, k_pages, v_pages, page_table, lengths, *, backend=
     case Backend.PALLAS_TPU_INTERPRET:
       return dense_decode_tpu(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
                               config=config, interpret=True)
+    case Backend.CPU:
+      return cpu_kernels.decode_attention(q, k_pages, v_pages, page_table, lengths,
+                                          sm_scale=sm_scale)
     case other:
       raise AssertionError(f"unresolved backend {other}")

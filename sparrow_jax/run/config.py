@@ -60,7 +60,11 @@ class TrainConfig:
   landmark: str = "mean"
   landmark_dtype: str = "float32"  # float32 | bfloat16: page landmarks in the KV cache
   dense_layers: str = ""  # comma-separated layers kept dense ("" = the schedule's own, 0,1)
-  attention_backend: str = "auto"
+  attention_backend: str = "auto"  # auto | xla | pallas | pallas_tpu | cpu (C++ kernels) | ..._interpret
+  # CPU only: the rollout decode's projections and LM head through the C++ matmul
+  # (sparrow_jax.cpu_kernels) on a packed copy of the weights in this dtype: float32 (same
+  # products) | bfloat16 (half the bytes per step, rounded weights); "" = XLA's products.
+  cpu_decode_weights: str = ""
   # How a decode step scores pages: auto (the Triton page-score kernel with the Triton
   # backends, XLA otherwise) | xla (always XLA's gather and scores).
   page_scorer: str = "auto"
@@ -272,7 +276,8 @@ class TrainConfig:
                "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
                "arith_template": ("boxed", "raw"),
                "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
-                                     "pallas_tpu_interpret"),
+                                     "pallas_tpu_interpret", "cpu"),
+               "cpu_decode_weights": ("", "float32", "bfloat16"),
                "page_scorer": ("auto", "xla")}
     for f, ok in choices.items():
       if getattr(self, f) not in ok:

@@ -45,7 +45,7 @@ def _rows_and_len(cfg: TrainConfig, budget: int, rows: int, groups: int) -> tupl
 def decode_backend(cfg: TrainConfig) -> str:
   """The decode attention the plan models: "xla" when the config names it, or when `auto`
   resolves to it (no GPU/TPU: this machine, unless `device_memory_gb` names a GPU target);
-  else the Pallas kernels."""
+  else the kernels (Pallas, or the C++ CPU kernels of `cpu`: no gathered pages either)."""
   if cfg.attention_backend == "xla":
     return "xla"
   if cfg.attention_backend != "auto" or cfg.device_memory_gb:

@@ -167,7 +167,8 @@ class Trainer:
                             page_size=cfg.page_size, decode_chunk=cfg.decode_chunk,
                             max_prefill_tokens=cfg.max_prefill_tokens,
                             logprobs_topk=cfg.monitor_topk,
-                            kv_cache_bytes=self.memory_plan.kv_cache_bytes),
+                            kv_cache_bytes=self.memory_plan.kv_cache_bytes,
+                            cpu_decode_weights=cfg.cpu_decode_weights or None),
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
         mesh=self._rollout_mesh())
     self.tx, self.lr_schedule = make_optimizer(cfg)

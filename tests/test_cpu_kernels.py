@@ -1,0 +1,229 @@
+"""The C++ CPU decode kernels (`sparrow_jax.cpu_kernels`) against float64 numpy and the
+pure-jnp references, and inside the engine's jitted decode loop against the XLA path."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparrow_jax import cpu_kernels as ck
+from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
+from sparrow_jax.engine.sampling import SamplingParams
+from sparrow_jax.models.attention import BlockSparse, Dense
+from sparrow_jax.models.config import get_config
+from sparrow_jax.models.decoder import init_model
+from sparrow_jax.pallas_kernels import dispatch
+from sparrow_jax.pallas_kernels.reference import sparse_decode_reference
+
+# CI machines have g++ (README); a failed build is a failure here, not a skip.
+assert ck.available(), ck.unavailable_reason()
+
+
+def _bf16_round(x):
+  return np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32),
+                    np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lead", [(1,), (3,), (6,), (2, 9)], ids=str)
+def test_packed_matmul_matches_float64(dtype, lead):
+  rng = np.random.default_rng(sum(lead))
+  k, n = 96, 150  # n not a multiple of the 64-column panels
+  x = rng.standard_normal((*lead, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  wp = ck.pack_weight(w, dtype)
+  assert wp.shape == (3, k, 64) and wp.dtype == jnp.dtype(dtype)
+  y = jax.jit(lambda x, wp: ck.packed_matmul(x, wp, n))(x, wp)
+  wref = _bf16_round(w) if dtype == "bfloat16" else w.astype(np.float64)
+  ref = x.astype(np.float64) @ wref
+  assert y.shape == (*lead, n) and y.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=2e-5)
+
+
+def test_pack_and_matmul_refuse_bad_input():
+  with pytest.raises(ValueError, match="float32 or bfloat16"):
+    ck.pack_weight(np.ones((4, 4), np.float32), "float16")
+  with pytest.raises(ValueError, match=r"\[K, N\]"):
+    ck.pack_weight(np.ones((4, 4, 4), np.float32))
+  wp = ck.pack_weight(np.ones((8, 70), np.float32))
+  with pytest.raises(ValueError, match="do not match"):
+    ck.packed_matmul(jnp.ones((2, 9)), wp, 70)
+  with pytest.raises(ValueError, match="do not match"):
+    ck.packed_matmul(jnp.ones((2, 8)), wp, 129)
+
+
+def _pool(rng, dtype, *, b=3, h=6, kvh=2, d=64, s=16, pages=40, m=10):
+  q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((kvh, pages, s, d)), jnp.float32).astype(dtype)
+  v = jnp.asarray(rng.standard_normal((kvh, pages, s, d)), jnp.float32).astype(dtype)
+  table = jnp.asarray(1 + rng.permutation(pages - 1)[:b * m].reshape(b, m), jnp.int32)
+  return q, k, v, table
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_decode_attention_matches_the_reference(dtype):
+  """All of each slot's pages: the sparse reference with every page selected; an empty slot
+  (length 0) gives 0, as the dense contract says."""
+  rng = np.random.default_rng(0)
+  q, k, v, table = _pool(rng, dtype)
+  lengths = jnp.asarray([0, 77, 160], jnp.int32)
+  out = jax.jit(ck.decode_attention)(q, k, v, table, lengths)
+  every = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (3, 2, 10))
+  ref = sparse_decode_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), table,
+                                lengths, every, every * 16 < lengths[:, None, None])
+  np.testing.assert_allclose(np.asarray(out[1:]), np.asarray(ref[1:]), rtol=2e-5, atol=2e-6)
+  assert np.all(np.asarray(out[0]) == 0)
+  # the dispatch entry point the decoder calls
+  via = dispatch.dense_decode_attention(q, k, v, table, lengths, backend="cpu")
+  np.testing.assert_array_equal(np.asarray(via), np.asarray(out))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sparse_decode_attention_matches_the_reference(dtype):
+  """Each kv head's own selected logical pages; invalid entries and pages past the length are
+  skipped."""
+  rng = np.random.default_rng(1)
+  q, k, v, table = _pool(rng, dtype)
+  lengths = jnp.asarray([20, 77, 160], jnp.int32)
+  idx = np.stack([np.stack([rng.permutation(10)[:4] for _ in range(2)]) for _ in range(3)])
+  idx[:, :, 0] = 0  # every selection attends the first page
+  valid = rng.random(idx.shape) < 0.7
+  valid[:, :, 0] = True
+  idx, valid = jnp.asarray(idx, jnp.int32), jnp.asarray(valid)
+  out = dispatch.sparse_decode_attention(q, k, v, table, lengths, idx, valid, backend="cpu")
+  ref = sparse_decode_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), table,
+                                lengths, idx, valid)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
+
+
+def _generate(model, requests, **kw):
+  attention = kw.pop("attention")
+  schedule = kw.pop("schedule", None)
+  eng = GenerationEngine(model, EngineConfig(num_slots=4, max_seq_len=128, page_size=4,
+                                             decode_chunk=5, logprobs_topk=3, **kw),
+                         attention=attention, schedule=schedule)
+  return eng, eng.generate(requests)
+
+
+def test_engine_with_the_cpu_kernels_samples_what_the_xla_path_samples():
+  """The C++ attention and packed float32 weights inside the engine's jitted decode loop:
+  the same sampled tokens (T = 1) and log-probs as XLA's path, dense and block-sparse; with
+  bfloat16 decode weights the log-probs move by the weights' rounding only."""
+  model = init_model(get_config("tiny", eos_token_ids=()), seed=5)
+  rng = np.random.default_rng(2)
+  reqs = [Request(list(rng.integers(3, 500, n)), SamplingParams(temperature=1.0,
+                                                                 max_new_tokens=24), i)
+          for i, n in enumerate((3, 17, 41))]
+  sparse = lambda backend: BlockSparse(max_budget=2, page_size=4, dense_layers=(0,),
+                                       backend=backend)
+  runs = {
+      "xla": dict(attention=Dense(backend="xla")),
+      "cpu": dict(attention=Dense(backend="cpu"), cpu_decode_weights="float32"),
+      "cpu_bf16": dict(attention=Dense(backend="cpu"), cpu_decode_weights="bfloat16"),
+      "sparse_xla": dict(attention=sparse("xla"), schedule=2),
+      "sparse_cpu": dict(attention=sparse("cpu"), schedule=2,
+                         cpu_decode_weights="float32")}
+  outs = {name: _generate(model, reqs, **kw)[1] for name, kw in runs.items()}
+  for a, b, tol in (("xla", "cpu", 1e-4), ("sparse_xla", "sparse_cpu", 1e-4)):
+    for x, y in zip(outs[a], outs[b]):
+      assert list(x.token_ids) == list(y.token_ids), (a, b)
+      np.testing.assert_allclose(x.logprobs, y.logprobs, atol=tol)
+      np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=tol)
+  assert [list(o.token_ids) for o in outs["xla"]] != [list(o.token_ids)
+                                                      for o in outs["sparse_xla"]]
+  # bf16 weights: the first token is sampled from the float32 prefill, then the log-probs of
+  # the shared prefix stay within the rounding of the weights
+  for x, y in zip(outs["xla"], outs["cpu_bf16"]):
+    n = next((i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q),
+             len(x.token_ids))
+    assert n >= 2
+    np.testing.assert_allclose(x.logprobs[:n], y.logprobs[:n], atol=0.05)
+
+
+def test_set_state_repacks_the_decode_weights():
+  """New parameters reach the packed copy: after `set_state`, the engine samples what a fresh
+  engine on those parameters samples."""
+  from flax import nnx
+  cfg = get_config("tiny", eos_token_ids=())
+  a, b = init_model(cfg, seed=1), init_model(cfg, seed=2)
+  reqs = [Request([5, 6, 7, 8, 9], SamplingParams(temperature=1.0, max_new_tokens=12), 0)]
+  kw = dict(attention=Dense(backend="cpu"), cpu_decode_weights="float32")
+  eng, _ = _generate(a, reqs, **dict(kw))
+  eng.set_state(nnx.state(b))
+  got = eng.generate(reqs)[0]
+  want = _generate(b, reqs, **dict(kw))[1][0]
+  assert list(got.token_ids) == list(want.token_ids)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+
+
+def test_bad_settings_are_refused_with_their_name():
+  with pytest.raises(ValueError, match="cpu_decode_weights='int8'"):
+    EngineConfig(cpu_decode_weights="int8")
+  with pytest.raises(ValueError, match="backend='nope'"):
+    Dense(backend="nope")
+  from sparrow_jax.run.config import TrainConfig
+  with pytest.raises(ValueError, match="cpu_decode_weights"):
+    TrainConfig(cpu_decode_weights="int8")
+
+
+def test_a_missing_compiler_is_named_in_the_error(tmp_path):
+  """Without a C++ compiler the kernels are unavailable and asking for them says why."""
+  code = ("from sparrow_jax import cpu_kernels as ck\n"
+          "from sparrow_jax.engine.engine import EngineConfig, GenerationEngine\n"
+          "from sparrow_jax.models.config import get_config\n"
+          "from sparrow_jax.models.decoder import init_model\n"
+          "assert not ck.available()\n"
+          "try:\n"
+          "  GenerationEngine(init_model(get_config('tiny')), EngineConfig(cpu_decode_weights="
+          "'float32'))\n"
+          "except RuntimeError as e:\n"
+          "  print('ERR', e)\n")
+  env = dict(os.environ, CXX="no-such-compiler-xyz", SPARROW_JAX_KERNEL_CACHE=str(tmp_path))
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "ERR" in out.stdout and "no-such-compiler-xyz" in out.stdout, out.stdout
+
+
+@pytest.mark.parametrize("d,kvh", [(64, 2), (128, 1)])
+def test_causal_attention_matches_the_reference(d, kvh):
+  """The prefill's causal GQA kernel: float32 reference, a row shorter than the batch (its
+  outputs past the length are 0), a length not a multiple of the 64-key blocks."""
+  from sparrow_jax.pallas_kernels import train_attention
+  rng = np.random.default_rng(d)
+  b, t, h = 2, 150, 4
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+             for s in ((b, t, h, d), (b, t, kvh, d), (b, t, kvh, d)))
+  lengths = jnp.asarray([t, 67], jnp.int32)
+  out = jax.jit(ck.causal_attention)(q, k, v, lengths)
+  ref = train_attention.causal_attention(q, k, v, lengths=lengths, impl="reference")
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
+  assert np.all(np.asarray(out[1, 67:]) == 0)
+  with pytest.raises(ValueError, match="multiple of 64"):
+    ck.causal_attention(q[..., :32], k[..., :32], v[..., :32])
+
+
+def test_engine_prefill_runs_the_cpu_causal_kernel_and_agrees_with_xla(monkeypatch):
+  """At head dim 64 the engine's dense prefill takes the C++ causal kernel with
+  backend='cpu' (traced into its prefill program), and the sampled tokens and log-probs
+  equal the XLA path's."""
+  calls = []
+  kernel = ck.causal_attention
+  monkeypatch.setattr(ck, "causal_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+  model = init_model(get_config("tiny", eos_token_ids=(), head_dim=64), seed=4)
+  rng = np.random.default_rng(3)
+  reqs = [Request(list(rng.integers(3, 500, n)), SamplingParams(temperature=1.0,
+                                                                 max_new_tokens=6), i)
+          for i, n in enumerate((9, 70))]
+  _, out_x = _generate(model, reqs, attention=Dense(backend="xla"))
+  assert not calls
+  _, out_c = _generate(model, reqs, attention=Dense(backend="cpu"),
+                       cpu_decode_weights="float32")
+  assert calls and len(calls) % model.cfg.num_layers == 0  # every layer of each prefill trace
+  for x, y in zip(out_x, out_c):
+    assert list(x.token_ids) == list(y.token_ids)
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
