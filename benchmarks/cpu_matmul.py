@@ -10,7 +10,8 @@ distinct weight matrices of the preset's MLP shape (together far larger than the
 every call streams them from memory), for every M of `--rows`, in float32 and bfloat16
 (float32 accumulation), in int8 (weight-only: `x @ w.astype(float32) * scale`; and int8
 activations too, int32 accumulation), and the same products in torch (`F.linear`, the layout transformers
-uses) when torch is installed. Beside them: the machine's streaming read rate (a sum over 256
+uses) when torch is installed, and through the C++ packed matmul of `sparrow_jax.cpu_kernels`
+(float32 and bfloat16 panels, what `cpu_decode_weights` runs). Beside them: the machine's streaming read rate (a sum over 256
 MB, as `step_profile.py` measures it) and what the rates mean for one decode step of the
 preset (its parameter bytes / the rate).
 
@@ -67,6 +68,16 @@ def xla_int8_rate(mats, scales, rows: int, repeats: int, *, int8_activations: bo
 
   f = jax.jit(lambda x, ws, ss: sum(one(x, w, s) for w, s in zip(ws, ss)))
   return _median_time(f, x, mats, scales, repeats=repeats)
+
+
+def packed_rate(mats, rows: int, repeats: int) -> float:
+  """Seconds for the same products through the C++ packed matmul (`sparrow_jax.cpu_kernels`,
+  the engine's `cpu_decode_weights`): `mats` already packed as [P, K, 64] panels."""
+  from sparrow_jax import cpu_kernels as ck
+  n = mats[0].shape[0] * mats[0].shape[2]
+  x = jnp.ones((rows, mats[0].shape[1]), jnp.float32)
+  f = jax.jit(lambda x, ws: sum(ck.packed_matmul(x, w, n) for w in ws))
+  return _median_time(f, x, mats, repeats=repeats)
 
 
 def torch_rate(mats, rows: int, repeats: int) -> float:
@@ -129,6 +140,16 @@ def main(argv=None) -> int:
     cols.append((name, 1, {m: xla_int8_rate(mats, scales, m, args.repeats,
                                             int8_activations=act) for m in rows}))
   del mats, scales
+  from sparrow_jax import cpu_kernels as ck
+  if ck.available():
+    for name, dt in (("C++ packed float32", jnp.float32), ("C++ packed bfloat16", jnp.bfloat16)):
+      mats = [ck.pack_weight(jnp.asarray(rng.standard_normal((d, f)), jnp.float32), dt)
+              for _ in range(args.mats)]
+      cols.append((name, jnp.dtype(dt).itemsize,
+                   {m: packed_rate(mats, m, args.repeats) for m in rows}))
+      del mats
+  else:
+    print(f"note: C++ CPU kernels unavailable ({ck.unavailable_reason()})", file=sys.stderr)
   if not args.no_torch:
     try:
       import torch

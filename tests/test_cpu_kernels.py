@@ -135,8 +135,8 @@ def test_engine_with_the_cpu_kernels_samples_what_the_xla_path_samples():
       np.testing.assert_allclose(x.topk_logprobs, y.topk_logprobs, atol=tol)
   assert [list(o.token_ids) for o in outs["xla"]] != [list(o.token_ids)
                                                       for o in outs["sparse_xla"]]
-  # bf16 weights: the first token is sampled from the float32 prefill, then the log-probs of
-  # the shared prefix stay within the rounding of the weights
+  # bf16 weights (prefill products in bf16 too): the log-probs of the shared prefix stay
+  # within the rounding of the weights and the products' operands
   for x, y in zip(outs["xla"], outs["cpu_bf16"]):
     n = next((i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q),
              len(x.token_ids))

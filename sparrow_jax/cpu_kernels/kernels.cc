@@ -163,6 +163,50 @@ ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                                  y->typed_data(), xd[0], xd[1], wd[0]);
 }
 
+// exp of 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (relative
+// error ~2e-7); inputs below -87 (masked scores) give ~0.
+inline v16 exp16(v16 x) {
+  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  v16 n = x * 1.44269504088896341f;
+  // round to nearest
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  i32x16 ni = __builtin_convertvector(n + (n >= 0 ? v16{} + 0.5f : v16{} - 0.5f), i32x16);
+  v16 nf = __builtin_convertvector(ni, v16);
+  v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  i32x16 bits;
+  std::memcpy(&bits, &p, sizeof(p));
+  bits += ni << 23;
+  v16 out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+inline float hmax(v16 a) {
+  v8 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+  v8 hi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  v8 m8 = lo > hi ? lo : hi;
+  v4 l4 = __builtin_shufflevector(m8, m8, 0, 1, 2, 3), h4 = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  v4 m4 = l4 > h4 ? l4 : h4;
+  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
+}
+inline float hsum(v16 a) {
+  v8 s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+          __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
+}
+
 // ---- paged decode attention ----------------------------------------------------------------
 
 // Online-softmax state of one query head over a chunk of pages.
@@ -210,6 +254,54 @@ void attend_chunk(const float* q, const C* kp, const C* vp, const int32_t* pages
       }
       m_out[g] = mx;
       l_out[g] = l;
+    }
+  }
+}
+
+
+// The same for pages of 16 tokens and D a multiple of 16: a page's 16 scores of one query
+// head are one vector (one exp16), the value rows are added with vector FMAs.
+template <typename C>
+void attend_chunk16(const float* q, const C* kp, const C* vp, const int32_t* pages_phys,
+                    const int32_t* pages_logical, int64_t npages, int64_t length, int64_t G,
+                    int64_t D, float scale, float* m_out, float* l_out, float* acc_out) {
+  constexpr int64_t S = 16;
+  const int64_t DV = D / 16;
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const v16 ninf = v16{} - INFINITY;
+  for (int64_t g = 0; g < G; ++g) {
+    m_out[g] = -INFINITY;
+    l_out[g] = 0.f;
+    std::fill(acc_out + g * D, acc_out + (g + 1) * D, 0.f);
+  }
+  for (int64_t j = 0; j < npages; ++j) {
+    const int64_t base = int64_t(pages_logical[j]) * S;
+    const int64_t valid = std::min<int64_t>(S, length - base);
+    if (valid <= 0) continue;
+    const C* kpage = kp + int64_t(pages_phys[j]) * S * D;
+    const C* vpage = vp + int64_t(pages_phys[j]) * S * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float sarr[S];
+      for (int64_t t = 0; t < S; ++t) {
+        const C* kt = kpage + t * D;
+        v16 part = load16(qg) * load16(kt);
+        for (int64_t c = 1; c < DV; ++c) part += load16(qg + c * 16) * load16(kt + c * 16);
+        sarr[t] = hsum(part);
+      }
+      v16 sc = load16(sarr) * scale;
+      if (valid < S) sc = lane >= float(valid) ? ninf : sc;
+      const float mx = std::max(m_out[g], hmax(sc));
+      const float corr = std::exp(m_out[g] - mx);
+      const v16 p = exp16(sc - mx);
+      l_out[g] = l_out[g] * corr + hsum(p);
+      m_out[g] = mx;
+      float* ag = acc_out + g * D;
+      for (int64_t c = 0; c < DV; ++c) {
+        v16 a = load16(ag + c * 16) * corr;
+        for (int64_t t = 0; t < valid; ++t) a += p[t] * load16(vpage + t * D + c * 16);
+        std::memcpy(ag + c * 16, &a, sizeof(a));
+      }
     }
   }
 }
@@ -266,6 +358,13 @@ ffi::Error decode_attention(ffi::ThreadPool pool, const float* q, const C* k, co
     const int64_t b = bh / KV, h = bh % KV;
     const int64_t j0 = c * chunk_pages;
     const int64_t n = std::max<int64_t>(0, std::min(count[bh], j0 + chunk_pages) - j0);
+    if (S == 16 && D % 16 == 0) {
+      attend_chunk16<C>(q + (b * H + h * G) * D, k + h * P * S * D, v + h * P * S * D,
+                        phys.data() + bh * width + j0, logical.data() + bh * width + j0, n,
+                        lengths[b], G, D, scale, pm.data() + item * G, pl.data() + item * G,
+                        pacc.data() + item * G * D);
+      return;
+    }
     std::vector<float> scores(G * S);
     attend_chunk<C>(q + (b * H + h * G) * D, k + h * P * S * D, v + h * P * S * D,
                     phys.data() + bh * width + j0, logical.data() + bh * width + j0, n,
@@ -321,50 +420,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 
 // ---- causal prefill attention ---------------------------------------------------------------
-
-// exp of 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (relative
-// error ~2e-7); inputs below -87 (masked scores) give ~0.
-inline v16 exp16(v16 x) {
-  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  v16 n = x * 1.44269504088896341f;
-  // round to nearest
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
-  i32x16 ni = __builtin_convertvector(n + (n >= 0 ? v16{} + 0.5f : v16{} - 0.5f), i32x16);
-  v16 nf = __builtin_convertvector(ni, v16);
-  v16 r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-  v16 p = v16{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  i32x16 bits;
-  std::memcpy(&bits, &p, sizeof(p));
-  bits += ni << 23;
-  v16 out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-inline float hmax(v16 a) {
-  v8 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
-  v8 hi = __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v8 m8 = lo > hi ? lo : hi;
-  v4 l4 = __builtin_shufflevector(m8, m8, 0, 1, 2, 3), h4 = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
-  v4 m4 = l4 > h4 ? l4 : h4;
-  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
-}
-inline float hsum(v16 a) {
-  v8 s8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-          __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
-}
 
 constexpr int kKB = 64;  // keys per block (4 vectors)
 constexpr int kQR = 4;   // query rows per tile

@@ -48,8 +48,9 @@ class EngineConfig:
   max_prefill_tokens: int = 0
   # CPU only: the decode step's projections and LM head through the C++ matmul
   # (`sparrow_jax.cpu_kernels`) on a packed copy of the weights in this dtype ("float32":
-  # the same products; "bfloat16": half the bytes per step, rounded weights). None: XLA's
-  # products on the parameters. Prefill always uses the parameters.
+  # the same products; "bfloat16": half the bytes per step, rounded weights, and the
+  # prefill's projections then run bf16 x bf16 with float32 accumulation, so every rollout
+  # token comes from the bf16 weights). None: XLA's products on the parameters.
   cpu_decode_weights: str | None = None
 
   def __post_init__(self):

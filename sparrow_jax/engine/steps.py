@@ -41,7 +41,8 @@ class DeviceSteps:
     cache, logits, hidden = model.prefill(cache, tokens, lengths, slots, page_rows,
                                           attention=attention, budgets=budgets,
                                           prompt_lengths=prompt_lengths, lora=lora,
-                                          return_hidden=True)
+                                          return_hidden=True,
+                                          matmul_dtype=self._prefill_matmul_dtype())
     tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks,
                             max_top_k=max_top_k)
     tk = self._topk(logits, temps)
@@ -53,6 +54,11 @@ class DeviceSteps:
       rec = record_detection(empty_record(n, hidden.shape[-1]), last, lengths - 1, valid,
                              hidden, quality_logits(det[0], hidden), det)
     return cache, tok, lp, tk, rec
+
+  def _prefill_matmul_dtype(self):
+    """bfloat16 rollout weights (`cpu_decode_weights="bfloat16"`): the prefill's projections
+    in bf16 too (float32 accumulation), so that every rollout token comes from bf16 weights."""
+    return jnp.bfloat16 if self.config.cpu_decode_weights == "bfloat16" else None
 
   def _topk(self, logits, temps):
     k = self.config.logprobs_topk
