@@ -99,7 +99,7 @@ def _attention(args, run_schedule):
     raise ValueError("give --sparse-budget or --schedule, not both")
   if args.schedule is None and args.sparse_budget is None:
     if run_schedule is None:
-      return attn_lib.Dense(), None, args.page_size
+      return attn_lib.Dense(backend=args.backend), None, args.page_size
     if run_schedule.is_dense:
       raise ValueError("--lora: the run's schedule is dense; its LoRA serves a sparse actor")
     return (attention_spec(run_schedule, backend=args.backend), run_schedule,
@@ -187,7 +187,10 @@ def main(argv=None) -> int:
                   help="sparsity schedule: preset name, JSON file, constant:K or dense")
   ap.add_argument("--landmark", default="mean", choices=["mean", "quest"])
   ap.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas",
-                                                        "pallas_interpret"])
+                                                        "pallas_interpret", "cpu"],
+                  help="decode attention (cpu: the C++ CPU kernels, docs/kernels.md)")
+  ap.add_argument("--cpu-decode-weights", default=None, choices=["float32", "bfloat16"],
+                  help="CPU: decode projections through the C++ packed matmul in this dtype")
   ap.add_argument("--page-size", type=power_of_two, default=16)
   ap.add_argument("--max-seq-len", type=positive(int), default=None,
                   help="context of the engine (default: prompt + new tokens; --chat: 2048)")
@@ -214,16 +217,18 @@ def main(argv=None) -> int:
     if args.chat:
       engine = GenerationEngine(
           model, EngineConfig(num_slots=1, max_seq_len=args.max_seq_len or min(max_pos, 2048),
-                              page_size=page), attention=attention, schedule=schedule)
+                              page_size=page, cpu_decode_weights=args.cpu_decode_weights),
+          attention=attention, schedule=schedule)
     else:
       reqs = [Request(_encode(tok, [{"role": "user", "content": text}], args.no_chat_template),
                       params_of(i), i) for i, text in enumerate(args.prompt)]
       longest = max(len(r.prompt_ids) for r in reqs)
       max_len = args.max_seq_len or min(max_pos, longest + args.max_new_tokens + 1)
       engine = GenerationEngine(model, EngineConfig(num_slots=len(reqs), max_seq_len=max_len,
-                                                    page_size=page),
+                                                    page_size=page,
+                                                    cpu_decode_weights=args.cpu_decode_weights),
                                 attention=attention, schedule=schedule)
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, FileNotFoundError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.chat:

@@ -30,6 +30,12 @@ def test_generate_dense_and_sparse(capsys):
   assert gen_cli.main(["--prompt", "Compute 12+7 and put the answer in a box.",
                        "--max-new-tokens", "6", "--sparse-budget", "1", "--page-size", "4"]) == 0
   assert "finish=length" in capsys.readouterr().out
+  # the C++ CPU kernels: the same greedy text as the XLA path
+  args = ["--prompt", "12+7=", "--max-new-tokens", "5"]
+  assert gen_cli.main(args + ["--backend", "xla"]) == 0
+  xla = capsys.readouterr().out
+  assert gen_cli.main(args + ["--backend", "cpu", "--cpu-decode-weights", "float32"]) == 0
+  assert capsys.readouterr().out == xla
 
 
 def test_generate_bad_input_exits_2(capsys):

@@ -67,7 +67,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sparrow_jax import cpu_kernels
-
 from sparrow_jax.engine.config import Completion, EngineConfig, Request, resolve_pool_pages
 from sparrow_jax.engine.outputs import OutputBuffers, RequestTable
 from sparrow_jax.engine.pruning import (DetectionTable, GroupTracker, PruneCandidate,
