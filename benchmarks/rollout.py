@@ -246,7 +246,7 @@ def vs_transformers(args) -> int:
   from sparrow_jax.schedule import constant
 
   from sparrow_jax import cpu_kernels as ck
-  cpu_kernels = ck.available() and not args.vt_no_cpu_kernels
+  with_cpu_kernels = ck.available() and not args.vt_no_cpu_kernels
   if not ck.available():
     print(f"note: the C++ CPU kernels are unavailable ({ck.unavailable_reason()}): "
           "timing the XLA paths only", file=sys.stderr)
@@ -275,7 +275,7 @@ def vs_transformers(args) -> int:
     engines = {
         "engine dense": GenerationEngine(model, cfg, attention=attn_lib.Dense()),
         "engine constant:4": GenerationEngine(model, cfg, attention=sparse(), schedule=sched)}
-    if cpu_kernels:
+    if with_cpu_kernels:
       # The C++ decode kernels (sparrow_jax.cpu_kernels): attention and the weight products
       # on packed weights in the model's dtype, and (float32 models) in bfloat16.
       ccfg = lambda w: dataclasses.replace(cfg, cpu_decode_weights=w)

@@ -209,99 +209,86 @@ inline float hsum(v16 a) {
 
 // ---- paged decode attention ----------------------------------------------------------------
 
-// Online-softmax state of one query head over a chunk of pages.
-struct Partial {
-  float m, l;
-};
+// One query head's online-softmax update with one page (`valid` of its S tokens): m, l and
+// acc [D] of the head. Any S and D, scalar loops.
+template <typename C>
+inline void page_update(const float* qg, const C* kpage, const C* vpage, int64_t valid,
+                        int64_t D, float scale, float& m, float& l, float* acc,
+                        float* scores /* [S] */) {
+  float mx = m;
+  for (int64_t t = 0; t < valid; ++t) {
+    const C* kt = kpage + t * D;
+    float s = 0.f;
+    for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f32(kt[d]);
+    scores[t] = s * scale;
+    mx = std::max(mx, scores[t]);
+  }
+  const float corr = std::exp(m - mx);  // exp(-inf) = 0 on the first page
+  float sum = l * corr;
+  for (int64_t d = 0; d < D; ++d) acc[d] *= corr;
+  for (int64_t t = 0; t < valid; ++t) {
+    const float p = std::exp(scores[t] - mx);
+    sum += p;
+    const C* vt = vpage + t * D;
+    for (int64_t d = 0; d < D; ++d) acc[d] += p * to_f32(vt[d]);
+  }
+  m = mx;
+  l = sum;
+}
 
+// The same for pages of 16 tokens and D a multiple of 16: the page's 16 scores are one vector
+// (one exp16), the value rows are added with vector FMAs.
+template <typename C>
+inline void page_update16(const float* qg, const C* kpage, const C* vpage, int64_t valid,
+                          int64_t D, float scale, float& m, float& l, float* acc) {
+  const int64_t DV = D / 16;
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  float sarr[16];
+  for (int64_t t = 0; t < 16; ++t) {
+    const C* kt = kpage + t * D;
+    v16 part = load16(qg) * load16(kt);
+    for (int64_t c = 1; c < DV; ++c) part += load16(qg + c * 16) * load16(kt + c * 16);
+    sarr[t] = hsum(part);
+  }
+  v16 sc = load16(sarr) * scale;
+  if (valid < 16) sc = lane >= float(valid) ? v16{} - INFINITY : sc;
+  const float mx = std::max(m, hmax(sc));
+  const float corr = std::exp(m - mx);
+  const v16 p = exp16(sc - mx);
+  l = l * corr + hsum(p);
+  m = mx;
+  for (int64_t c = 0; c < DV; ++c) {
+    v16 a = load16(acc + c * 16) * corr;
+    for (int64_t t = 0; t < valid; ++t) a += p[t] * load16(vpage + t * D + c * 16);
+    std::memcpy(acc + c * 16, &a, sizeof(a));
+  }
+}
+
+// The G query heads of one kv head over a chunk of pages: m_out, l_out [G], acc_out [G, D].
 template <typename C>
 void attend_chunk(const float* q, const C* kp, const C* vp, const int32_t* pages_phys,
                   const int32_t* pages_logical, int64_t npages, int64_t length, int64_t G,
                   int64_t S, int64_t D, float scale, float* m_out, float* l_out,
-                  float* acc_out, float* scores /* [G, S] scratch */) {
+                  float* acc_out) {
+  const bool vec16 = S == 16 && D % 16 == 0;
+  std::vector<float> scores(vec16 ? 0 : S);
   for (int64_t g = 0; g < G; ++g) {
     m_out[g] = -INFINITY;
     l_out[g] = 0.f;
     std::fill(acc_out + g * D, acc_out + (g + 1) * D, 0.f);
   }
   for (int64_t j = 0; j < npages; ++j) {
-    const int64_t base = int64_t(pages_logical[j]) * S;
-    const int64_t valid = std::min<int64_t>(S, length - base);
+    const int64_t valid = std::min<int64_t>(S, length - int64_t(pages_logical[j]) * S);
     if (valid <= 0) continue;
     const C* kpage = kp + int64_t(pages_phys[j]) * S * D;
     const C* vpage = vp + int64_t(pages_phys[j]) * S * D;
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float* sg = scores + g * S;
-      float mx = m_out[g];
-      for (int64_t t = 0; t < valid; ++t) {
-        const C* kt = kpage + t * D;
-        float s = 0.f;
-        for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f32(kt[d]);
-        s *= scale;
-        sg[t] = s;
-        mx = std::max(mx, s);
-      }
-      const float corr = std::exp(m_out[g] - mx);  // exp(-inf) = 0 on the first page
-      float* ag = acc_out + g * D;
-      float l = l_out[g] * corr;
-      for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
-      for (int64_t t = 0; t < valid; ++t) {
-        const float p = std::exp(sg[t] - mx);
-        l += p;
-        const C* vt = vpage + t * D;
-        for (int64_t d = 0; d < D; ++d) ag[d] += p * to_f32(vt[d]);
-      }
-      m_out[g] = mx;
-      l_out[g] = l;
-    }
-  }
-}
-
-
-// The same for pages of 16 tokens and D a multiple of 16: a page's 16 scores of one query
-// head are one vector (one exp16), the value rows are added with vector FMAs.
-template <typename C>
-void attend_chunk16(const float* q, const C* kp, const C* vp, const int32_t* pages_phys,
-                    const int32_t* pages_logical, int64_t npages, int64_t length, int64_t G,
-                    int64_t D, float scale, float* m_out, float* l_out, float* acc_out) {
-  constexpr int64_t S = 16;
-  const int64_t DV = D / 16;
-  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  const v16 ninf = v16{} - INFINITY;
-  for (int64_t g = 0; g < G; ++g) {
-    m_out[g] = -INFINITY;
-    l_out[g] = 0.f;
-    std::fill(acc_out + g * D, acc_out + (g + 1) * D, 0.f);
-  }
-  for (int64_t j = 0; j < npages; ++j) {
-    const int64_t base = int64_t(pages_logical[j]) * S;
-    const int64_t valid = std::min<int64_t>(S, length - base);
-    if (valid <= 0) continue;
-    const C* kpage = kp + int64_t(pages_phys[j]) * S * D;
-    const C* vpage = vp + int64_t(pages_phys[j]) * S * D;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float sarr[S];
-      for (int64_t t = 0; t < S; ++t) {
-        const C* kt = kpage + t * D;
-        v16 part = load16(qg) * load16(kt);
-        for (int64_t c = 1; c < DV; ++c) part += load16(qg + c * 16) * load16(kt + c * 16);
-        sarr[t] = hsum(part);
-      }
-      v16 sc = load16(sarr) * scale;
-      if (valid < S) sc = lane >= float(valid) ? ninf : sc;
-      const float mx = std::max(m_out[g], hmax(sc));
-      const float corr = std::exp(m_out[g] - mx);
-      const v16 p = exp16(sc - mx);
-      l_out[g] = l_out[g] * corr + hsum(p);
-      m_out[g] = mx;
-      float* ag = acc_out + g * D;
-      for (int64_t c = 0; c < DV; ++c) {
-        v16 a = load16(ag + c * 16) * corr;
-        for (int64_t t = 0; t < valid; ++t) a += p[t] * load16(vpage + t * D + c * 16);
-        std::memcpy(ag + c * 16, &a, sizeof(a));
-      }
+      if (vec16)
+        page_update16<C>(q + g * D, kpage, vpage, valid, D, scale, m_out[g], l_out[g],
+                         acc_out + g * D);
+      else
+        page_update<C>(q + g * D, kpage, vpage, valid, D, scale, m_out[g], l_out[g],
+                       acc_out + g * D, scores.data());
     }
   }
 }
@@ -358,18 +345,10 @@ ffi::Error decode_attention(ffi::ThreadPool pool, const float* q, const C* k, co
     const int64_t b = bh / KV, h = bh % KV;
     const int64_t j0 = c * chunk_pages;
     const int64_t n = std::max<int64_t>(0, std::min(count[bh], j0 + chunk_pages) - j0);
-    if (S == 16 && D % 16 == 0) {
-      attend_chunk16<C>(q + (b * H + h * G) * D, k + h * P * S * D, v + h * P * S * D,
-                        phys.data() + bh * width + j0, logical.data() + bh * width + j0, n,
-                        lengths[b], G, D, scale, pm.data() + item * G, pl.data() + item * G,
-                        pacc.data() + item * G * D);
-      return;
-    }
-    std::vector<float> scores(G * S);
     attend_chunk<C>(q + (b * H + h * G) * D, k + h * P * S * D, v + h * P * S * D,
                     phys.data() + bh * width + j0, logical.data() + bh * width + j0, n,
                     lengths[b], G, S, D, scale, pm.data() + item * G, pl.data() + item * G,
-                    pacc.data() + item * G * D, scores.data());
+                    pacc.data() + item * G * D);
   });
   // Merge the chunks of each (slot, kv head, query head).
   for (int64_t bh = 0; bh < B * KV; ++bh) {
