@@ -276,8 +276,9 @@ def vs_transformers(args) -> int:
         "engine dense": GenerationEngine(model, cfg, attention=attn_lib.Dense()),
         "engine constant:4": GenerationEngine(model, cfg, attention=sparse(), schedule=sched)}
     if with_cpu_kernels:
-      # The C++ decode kernels (sparrow_jax.cpu_kernels): attention and the weight products
-      # on packed weights in the model's dtype, and (float32 models) in bfloat16.
+      # The C++ kernels (sparrow_jax.cpu_kernels): decode attention and the weight products
+      # on packed weights in the model's dtype, and (float32 models) in bfloat16 (then the
+      # prefill's projections run on the packed bf16 copy too).
       ccfg = lambda w: dataclasses.replace(cfg, cpu_decode_weights=w)
       engines["engine dense, C++ decode"] = GenerationEngine(
           model, ccfg(dtype), attention=attn_lib.Dense(backend="cpu"))
@@ -286,6 +287,11 @@ def vs_transformers(args) -> int:
       if dtype == "float32":
         engines["engine dense, C++ decode, bf16 weights"] = GenerationEngine(
             model, ccfg("bfloat16"), attention=attn_lib.Dense(backend="cpu"))
+        # bf16 rollout precision throughout: weights and KV cache (the bf16 model's setup,
+        # with float32 norms, residuals and logits)
+        engines["engine dense, C++ decode, bf16 weights + cache"] = GenerationEngine(
+            model, dataclasses.replace(ccfg("bfloat16"), cache_dtype="bfloat16"),
+            attention=attn_lib.Dense(backend="cpu"))
 
     def run_engine(engine, prompt, n):
       return list(engine.generate([Request(prompt, greedy(n), 0)])[0].token_ids)

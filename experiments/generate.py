@@ -190,7 +190,10 @@ def main(argv=None) -> int:
                                                         "pallas_interpret", "cpu"],
                   help="decode attention (cpu: the C++ CPU kernels, docs/kernels.md)")
   ap.add_argument("--cpu-decode-weights", default=None, choices=["float32", "bfloat16"],
-                  help="CPU: decode projections through the C++ packed matmul in this dtype")
+                  help="CPU: projections through the C++ packed matmul in this dtype "
+                       "(bfloat16: the prefill's too)")
+  ap.add_argument("--cache-dtype", default=None, choices=["float32", "bfloat16"],
+                  help="KV cache dtype (default: the model's compute dtype)")
   ap.add_argument("--page-size", type=power_of_two, default=16)
   ap.add_argument("--max-seq-len", type=positive(int), default=None,
                   help="context of the engine (default: prompt + new tokens; --chat: 2048)")
@@ -217,7 +220,8 @@ def main(argv=None) -> int:
     if args.chat:
       engine = GenerationEngine(
           model, EngineConfig(num_slots=1, max_seq_len=args.max_seq_len or min(max_pos, 2048),
-                              page_size=page, cpu_decode_weights=args.cpu_decode_weights),
+                              page_size=page, cpu_decode_weights=args.cpu_decode_weights,
+                              cache_dtype=args.cache_dtype),
           attention=attention, schedule=schedule)
     else:
       reqs = [Request(_encode(tok, [{"role": "user", "content": text}], args.no_chat_template),
@@ -226,7 +230,8 @@ def main(argv=None) -> int:
       max_len = args.max_seq_len or min(max_pos, longest + args.max_new_tokens + 1)
       engine = GenerationEngine(model, EngineConfig(num_slots=len(reqs), max_seq_len=max_len,
                                                     page_size=page,
-                                                    cpu_decode_weights=args.cpu_decode_weights),
+                                                    cpu_decode_weights=args.cpu_decode_weights,
+                                                    cache_dtype=args.cache_dtype),
                                 attention=attention, schedule=schedule)
   except (ValueError, FileNotFoundError, RuntimeError) as e:
     print(f"error: {e}", file=sys.stderr)

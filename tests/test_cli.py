@@ -36,6 +36,10 @@ def test_generate_dense_and_sparse(capsys):
   xla = capsys.readouterr().out
   assert gen_cli.main(args + ["--backend", "cpu", "--cpu-decode-weights", "float32"]) == 0
   assert capsys.readouterr().out == xla
+  # bf16 weights and cache (the fastest CPU rollout): runs and reports its finish
+  assert gen_cli.main(args + ["--backend", "cpu", "--cpu-decode-weights", "bfloat16",
+                              "--cache-dtype", "bfloat16"]) == 0
+  assert "finish=length" in capsys.readouterr().out
 
 
 def test_generate_bad_input_exits_2(capsys):

@@ -29,19 +29,30 @@ def _bf16_round(x):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("lead", [(1,), (3,), (6,), (2, 9)], ids=str)
-def test_packed_matmul_matches_float64(dtype, lead):
-  rng = np.random.default_rng(sum(lead))
-  k, n = 96, 150  # n not a multiple of the 64-column panels
+@pytest.mark.parametrize("lead,k", [((1,), 96), ((3,), 95), ((6,), 96), ((2, 9), 97),
+                                    ((203,), 64)], ids=str)
+def test_packed_matmul_matches_float64(dtype, lead, k):
+  """Row counts across the 6-row register tiles and 96-row blocks, odd K (bf16 panels pad a
+  zero row), N not a multiple of the 64-column panels. bfloat16: x and W rounded to bf16, the
+  products summed in float32, against float64 sums of the same rounded operands."""
+  rng = np.random.default_rng(sum(lead) + k)
+  n = 150
   x = rng.standard_normal((*lead, k)).astype(np.float32)
   w = rng.standard_normal((k, n)).astype(np.float32)
   wp = ck.pack_weight(w, dtype)
-  assert wp.shape == (3, k, 64) and wp.dtype == jnp.dtype(dtype)
+  bf16 = dtype == "bfloat16"
+  assert wp.shape == ((3, (k + 1) // 2, 128) if bf16 else (3, k, 64))
+  assert wp.dtype == jnp.dtype(dtype)
   y = jax.jit(lambda x, wp: ck.packed_matmul(x, wp, n))(x, wp)
-  wref = _bf16_round(w) if dtype == "bfloat16" else w.astype(np.float64)
-  ref = x.astype(np.float64) @ wref
+  xref = _bf16_round(x) if bf16 else x.astype(np.float64)
+  wref = _bf16_round(w) if bf16 else w.astype(np.float64)
+  ref = xref @ wref
   assert y.shape == (*lead, n) and y.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=2e-5)
+  np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=3e-5)
+  if bf16:  # the XLA dot the prefill ran before (bf16 operands, float32 result)
+    xla = jnp.einsum("...k,kn->...n", jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
+                     preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(xla), rtol=1e-5, atol=3e-5)
 
 
 def test_pack_and_matmul_refuse_bad_input():
@@ -54,6 +65,10 @@ def test_pack_and_matmul_refuse_bad_input():
     ck.packed_matmul(jnp.ones((2, 9)), wp, 70)
   with pytest.raises(ValueError, match="do not match"):
     ck.packed_matmul(jnp.ones((2, 8)), wp, 129)
+  wb = ck.pack_weight(np.ones((9, 70), np.float32), "bfloat16")  # [2, 5, 128]
+  ck.packed_matmul(jnp.ones((2, 10)), wb, 70)  # K = 10 fills the 5 pairs
+  with pytest.raises(ValueError, match="do not match"):
+    ck.packed_matmul(jnp.ones((2, 11)), wb, 70)
 
 
 def _pool(rng, dtype, *, b=3, h=6, kvh=2, d=64, s=16, pages=40, m=10):
@@ -65,14 +80,16 @@ def _pool(rng, dtype, *, b=3, h=6, kvh=2, d=64, s=16, pages=40, m=10):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_dense_decode_attention_matches_the_reference(dtype):
+@pytest.mark.parametrize("h,kvh", [(6, 2), (10, 1), (3, 3)], ids=["G3", "G10", "G1"])
+def test_dense_decode_attention_matches_the_reference(dtype, h, kvh):
   """All of each slot's pages: the sparse reference with every page selected; an empty slot
-  (length 0) gives 0, as the dense contract says."""
+  (length 0) gives 0, as the dense contract says. Query heads per kv head 3, 10 (more than
+  the kernel's group of 8) and 1."""
   rng = np.random.default_rng(0)
-  q, k, v, table = _pool(rng, dtype)
+  q, k, v, table = _pool(rng, dtype, h=h, kvh=kvh)
   lengths = jnp.asarray([0, 77, 160], jnp.int32)
   out = jax.jit(ck.decode_attention)(q, k, v, table, lengths)
-  every = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (3, 2, 10))
+  every = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (3, kvh, 10))
   ref = sparse_decode_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), table,
                                 lengths, every, every * 16 < lengths[:, None, None])
   np.testing.assert_allclose(np.asarray(out[1:]), np.asarray(ref[1:]), rtol=2e-5, atol=2e-6)
@@ -98,6 +115,26 @@ def test_sparse_decode_attention_matches_the_reference(dtype):
   ref = sparse_decode_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), table,
                                 lengths, idx, valid)
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cache_write_token_is_the_scatter_in_place(dtype):
+  """One token per slot into `[KV, P, S, D]` at (dest, off), out-of-range entries dropped:
+  the values of `.at[:, dest, off].set(mode="drop")`, inside jit, the input donated."""
+  rng = np.random.default_rng(4)
+  rnd = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32).astype(dtype)
+  kb, vb, kr, vr = rnd(2, 9, 16, 64), rnd(2, 9, 16, 64), rnd(2, 4, 64), rnd(2, 4, 64)
+  dest = jnp.asarray([3, 9, 0, 5], jnp.int32)  # 9: out of range (an inactive slot)
+  off = jnp.asarray([15, 2, 0, 16], jnp.int32)  # 16: out of range
+  want = [b.at[:, dest, off].set(r, mode="drop") for b, r in ((kb, kr), (vb, vr))]
+  got = jax.jit(ck.cache_write_token, donate_argnums=(0, 1))(jnp.array(kb), jnp.array(vb),
+                                                             kr, vr, dest, off)
+  for g, w in zip(got, want):
+    assert g.dtype == kb.dtype
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  assert not np.array_equal(np.asarray(want[0], np.float32), np.asarray(kb, np.float32))
+  with pytest.raises(ValueError, match="do not fit"):
+    ck.cache_write_token(kb, vb, kr.astype(jnp.float16), vr, dest, off)
 
 
 def _generate(model, requests, **kw):
@@ -207,6 +244,62 @@ def test_causal_attention_matches_the_reference(d, kvh):
     ck.causal_attention(q[..., :32], k[..., :32], v[..., :32])
 
 
+@pytest.mark.parametrize("d,kvh", [(64, 3), (128, 1)])
+def test_causal_attention_bf16_matches_the_reference_on_rounded_operands(d, kvh):
+  """bfloat16 K/V: q rounded to bf16 as well, and each probability before the value product;
+  against the float32 reference on the rounded q, k, v, the outputs differ by that last
+  rounding only (2^-9 of each weight)."""
+  from sparrow_jax.pallas_kernels import train_attention
+  rng = np.random.default_rng(d + 1)
+  b, t, h = 2, 150, 3 * kvh
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+             for s in ((b, t, h, d), (b, t, kvh, d), (b, t, kvh, d)))
+  lengths = jnp.asarray([t, 67], jnp.int32)
+  kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  out = jax.jit(ck.causal_attention)(q, kb, vb, lengths)
+  r = lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)
+  ref = train_attention.causal_attention(r(q), r(k), r(v), lengths=lengths, impl="reference")
+  err = np.abs(np.asarray(out) - np.asarray(ref))
+  assert err.max() < 1e-2 and err.mean() < 1e-3, (err.max(), err.mean())
+  assert np.all(np.asarray(out[1, 67:]) == 0)
+  # and it is not the float32 kernel on the unrounded inputs
+  f32 = ck.causal_attention(q, k, v, lengths)
+  assert np.abs(np.asarray(f32) - np.asarray(out)).max() > 1e-4
+
+
+def test_kernels_without_avx512_bf16_compute_the_same(tmp_path):
+  """Built without AVX512-BF16 (`SPARROW_JAX_CXXFLAGS=-mno-avx512bf16`, as on CPUs that lack
+  it) the bf16 matmul and causal kernels widen the pairs to float32: the same results as
+  the float64 / float32 references."""
+  code = """
+import jax, jax.numpy as jnp, numpy as np
+from sparrow_jax import cpu_kernels as ck
+from sparrow_jax.pallas_kernels import train_attention
+assert ck.available(), ck.unavailable_reason()
+rng = np.random.default_rng(0)
+x = rng.standard_normal((13, 97)).astype(np.float32)
+w = rng.standard_normal((97, 150)).astype(np.float32)
+r = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+y = ck.packed_matmul(x, ck.pack_weight(w, "bfloat16"), 150)
+print("MATMUL", float(np.max(np.abs(np.asarray(y) - r(x) @ r(w)))))
+q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 70, 4, 64), (1, 70, 2, 64), (1, 70, 2, 64)))
+out = ck.causal_attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+rr = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+ref = train_attention.causal_attention(rr(q), rr(k), rr(v), lengths=jnp.asarray([70]), impl="reference")
+print("CAUSAL", float(jnp.max(jnp.abs(out - ref))))
+"""
+  env = dict(os.environ, SPARROW_JAX_CXXFLAGS="-mno-avx512bf16",
+             SPARROW_JAX_KERNEL_CACHE=str(tmp_path))
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  vals = dict(line.split() for line in out.stdout.splitlines() if line[:6] in ("MATMUL", "CAUSAL"))
+  assert float(vals["MATMUL"]) < 1e-3, out.stdout
+  assert float(vals["CAUSAL"]) < 1e-2, out.stdout
+  lib = [f for f in os.listdir(tmp_path) if f.endswith(".so")]
+  assert len(lib) == 1  # built here, with the flag (the cache key includes the flags)
+
+
 def test_engine_prefill_runs_the_cpu_causal_kernel_and_agrees_with_xla(monkeypatch):
   """At head dim 64 the engine's dense prefill takes the C++ causal kernel with
   backend='cpu' (traced into its prefill program), and the sampled tokens and log-probs
@@ -227,3 +320,17 @@ def test_engine_prefill_runs_the_cpu_causal_kernel_and_agrees_with_xla(monkeypat
   for x, y in zip(out_x, out_c):
     assert list(x.token_ids) == list(y.token_ids)
     np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
+  # bf16 rollout precision (bf16 weights and cache): the prefill attends to K/V as the cache
+  # stores them (the bf16 kernel) and writes the cache through the in-place token kernel;
+  # the log-probs of the shared prefix stay within bf16 rounding of the XLA path's
+  calls.clear()
+  bf16 = dict(cache_dtype="bfloat16")
+  _, out_xb = _generate(model, reqs, attention=Dense(backend="xla"), **bf16)
+  _, out_cb = _generate(model, reqs, attention=Dense(backend="cpu"),
+                        cpu_decode_weights="bfloat16", **bf16)
+  assert calls
+  for x, y in zip(out_xb, out_cb):
+    n = next((i for i, (p, q) in enumerate(zip(x.token_ids, y.token_ids)) if p != q),
+             len(x.token_ids))
+    assert n >= 2
+    np.testing.assert_allclose(x.logprobs[:n], y.logprobs[:n], atol=0.05)

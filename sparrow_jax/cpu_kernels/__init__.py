@@ -5,14 +5,17 @@ Why: at batch 1 XLA:CPU multiplies an activation by bfloat16 weights at ~1.5 GB/
 below the memory's rate (BENCHMARKS.md, issue 22). `kernels.cc` streams both:
 
 * `packed_matmul(x, w_packed, n)`: `x [..., K] @ W [K, n]` with W stored as `pack_weight(W)`,
-  `[P, K, 64]` panels of 64 output columns (float32 or bfloat16), float32 accumulation.
+  panels of 64 output columns, float32 accumulation: float32 weights (float32 products) or
+  bfloat16 ones (x rounded to bf16, AVX512-BF16 pair dot products where the CPU has them: the
+  prefill's GEMM as well as the decode step's matrix-vector products).
 * `decode_attention(q, k_pages, v_pages, page_table, lengths[, page_idx, valid])`: one query
   token per slot against a paged cache `[KV, pages, S, D]` (float32 or bfloat16), over all of
   a slot's pages or over each kv head's selected logical pages; the same contract as
   `pallas_kernels.dispatch`'s dense and sparse entry points (a slot with no valid token gets 0).
 
 The library is compiled at first use with the machine's C++ compiler (`CXX`, default `c++`;
-`-O3 -march=native`) into `SPARROW_JAX_KERNEL_CACHE` (default `~/.cache/sparrow_jax`), keyed
+`-O3 -march=native`, plus `SPARROW_JAX_CXXFLAGS`) into `SPARROW_JAX_KERNEL_CACHE` (default
+`~/.cache/sparrow_jax`), keyed
 by a hash of the source, the flags, the compiler and jaxlib, and registered as XLA FFI targets
 for the CPU platform. `available()` says whether that worked here; the callers that ask for
 these kernels get a clear error naming why when it did not (no compiler, say). The kernels
@@ -41,7 +44,8 @@ _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-e
           "-ffp-contract=fast", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-w"]
 _TARGETS = ("sj_packed_matmul_f32", "sj_packed_matmul_bf16", "sj_decode_attention_f32",
-            "sj_decode_attention_bf16", "sj_causal_attention_f32")
+            "sj_decode_attention_bf16", "sj_causal_attention_f32", "sj_causal_attention_bf16",
+            "sj_cache_write_token")
 
 _lock = threading.Lock()
 _state: dict = {}  # "lib" (ctypes handle) or "error" (str) once tried
@@ -67,6 +71,11 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
+def _extra_flags() -> list[str]:
+  """`SPARROW_JAX_CXXFLAGS`: flags appended to the build's (e.g. `-mno-avx512bf16`)."""
+  return os.environ.get("SPARROW_JAX_CXXFLAGS", "").split()
+
+
 def _build() -> str:
   """Path of the compiled library (compiled now unless the cache has it)."""
   cxx = _compiler()
@@ -78,8 +87,9 @@ def _build() -> str:
   with open(_SOURCE, "rb") as f:
     source = f.read()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+  flags = _FLAGS + _extra_flags()
   key = hashlib.sha256(b"\0".join([
-      source, " ".join(_FLAGS).encode(), version.encode(), jaxlib.__version__.encode(),
+      source, " ".join(flags).encode(), version.encode(), jaxlib.__version__.encode(),
       platform.machine().encode(), _cpu_signature().encode()])).hexdigest()[:16]
   out_dir = _cache_dir()
   path = os.path.join(out_dir, f"sparrow_cpu_kernels-{key}.so")
@@ -89,7 +99,7 @@ def _build() -> str:
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
   os.close(fd)
   try:
-    proc = subprocess.run([cxx, *_FLAGS, f"-I{include}", _SOURCE, "-o", tmp],
+    proc = subprocess.run([cxx, *flags, f"-I{include}", _SOURCE, "-o", tmp],
                           capture_output=True, text=True)
     if proc.returncode != 0:
       raise RuntimeError(f"compiling {_SOURCE} failed ({cxx}, rc {proc.returncode}):\n"
@@ -139,8 +149,10 @@ def require(what: str = "the CPU kernels") -> None:
 # ---- packed matmul -------------------------------------------------------------------------
 
 def pack_weight(w, dtype=None):
-  """`[K, N]` weight -> `[ceil(N / 64), K, 64]` panels (zero-padded columns), in `dtype`
-  (float32 or bfloat16; default the weight's own)."""
+  """`[K, N]` weight -> panels of 64 output columns (zero-padded columns), in `dtype` (float32
+  or bfloat16; default the weight's own). float32: `[ceil(N / 64), K, 64]`. bfloat16:
+  `[ceil(N / 64), ceil(K / 2), 128]`, each k pair of a column adjacent (element (k, c) of a
+  panel at `[k // 2, 2 c + k % 2]`), the operand layout of AVX512-BF16's pair dot product."""
   w = jnp.asarray(w)
   dtype = jnp.dtype(dtype or w.dtype)
   if dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
@@ -149,21 +161,30 @@ def pack_weight(w, dtype=None):
     raise ValueError(f"pack_weight: expected a [K, N] matrix, got shape {w.shape}")
   k, n = w.shape
   p = -(-n // PANEL)
+  if dtype == jnp.bfloat16:
+    k2 = -(-k // 2)
+    w = jnp.pad(w.astype(dtype), ((0, 2 * k2 - k), (0, p * PANEL - n)))
+    # [k2, 2, p, 64] -> [p, k2, 64, 2]
+    return jnp.transpose(w.reshape(k2, 2, p, PANEL), (2, 0, 3, 1)).reshape(p, k2, 2 * PANEL)
   w = jnp.pad(w.astype(dtype), ((0, 0), (0, p * PANEL - n)))
   return jnp.transpose(w.reshape(k, p, PANEL), (1, 0, 2))
 
 
 def packed_matmul(x, w_packed, n: int):
-  """`x [..., K]` times the packed `[P, K, 64]` weight -> float32 `[..., n]`."""
-  p, k, panel = w_packed.shape
-  if panel != PANEL or x.shape[-1] != k or not 0 < n <= p * PANEL:
+  """`x [..., K]` times a `pack_weight` weight -> float32 `[..., n]`. float32 panels: float32
+  products. bfloat16 panels: x rounded to bfloat16, bf16 x bf16 products summed in float32
+  (an XLA dot of bfloat16 operands with `preferred_element_type=float32`)."""
+  p, kp, panel = w_packed.shape
+  bf16 = w_packed.dtype == jnp.bfloat16
+  k = x.shape[-1]
+  k_ok = kp == (-(-k // 2) if bf16 else k)
+  if panel != (2 * PANEL if bf16 else PANEL) or not k_ok or not 0 < n <= p * PANEL:
     raise ValueError(f"packed_matmul: x {x.shape} and packed weight {w_packed.shape} "
-                     f"(n={n}) do not match")
+                     f"{w_packed.dtype} (n={n}) do not match")
   require("packed_matmul")
   lead = x.shape[:-1]
   x2 = x.reshape(-1, k).astype(jnp.float32)
-  name = ("sj_packed_matmul_bf16" if w_packed.dtype == jnp.bfloat16
-          else "sj_packed_matmul_f32")
+  name = "sj_packed_matmul_bf16" if bf16 else "sj_packed_matmul_f32"
   y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], p * PANEL), jnp.float32))(
       x2, w_packed)
   if n != p * PANEL:
@@ -201,6 +222,24 @@ def decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx=None, va
   return out.astype(q.dtype)
 
 
+def cache_write_token(k_buf, v_buf, k_rows, v_rows, dest, off):
+  """Caches `[KV, P, S, D]` with `rows [KV, B, D]` written at `buf[:, dest[b], off[b]]`
+  (entries out of range write nothing): `buf.at[:, dest, off].set(rows, mode="drop")` for K
+  and V in one call, in place (the results alias the caches). For 16-bit caches on the CPU,
+  where XLA widens the scatter to float32 and rewrites the whole buffer twice."""
+  for buf, rows in ((k_buf, k_rows), (v_buf, v_rows)):
+    if rows.dtype != k_buf.dtype or buf.dtype != k_buf.dtype or rows.ndim != 3 or \
+        buf.shape != k_buf.shape or rows.shape != k_rows.shape or buf.ndim != 4 or \
+        rows.shape[0] != buf.shape[0] or rows.shape[2] != buf.shape[3]:
+      raise ValueError(f"cache_write_token: rows {rows.shape} {rows.dtype} do not fit the "
+                       f"cache {buf.shape} {buf.dtype}")
+  require("cache_write_token")
+  out = jax.ShapeDtypeStruct(k_buf.shape, k_buf.dtype)
+  return jax.ffi.ffi_call("sj_cache_write_token", (out, out),
+                          input_output_aliases={0: 0, 1: 1})(
+      k_buf, v_buf, k_rows, v_rows, dest.astype(jnp.int32), off.astype(jnp.int32))
+
+
 # ---- causal prefill attention --------------------------------------------------------------
 
 def causal_attention_supported(q) -> bool:
@@ -210,8 +249,10 @@ def causal_attention_supported(q) -> bool:
 
 def causal_attention(q, k, v, lengths=None, *, sm_scale=None):
   """Causal GQA attention of whole sequences from position 0 (the prefill's):
-  `q [B, T, H, D]`, `k, v [B, T, KV, D]` -> `[B, T, H, D]` in q.dtype, computed in float32;
-  outputs at t >= lengths are 0. The contract of `train_attention.causal_attention`, without
+  `q [B, T, H, D]`, `k, v [B, T, KV, D]` -> `[B, T, H, D]` in q.dtype; outputs at t >= lengths
+  are 0. float32 k/v (any other dtype is widened): float32 products. bfloat16 k and v: q and
+  each row's probabilities rounded to bf16 too, bf16 x bf16 products (AVX512-BF16 pair dot
+  products where the CPU has them) with float32 softmax statistics and sums. The contract of `train_attention.causal_attention`, without
   a gradient (inference only). D must be a multiple of 64."""
   require("causal_attention")
   b, t, h, d = q.shape
@@ -221,7 +262,9 @@ def causal_attention(q, k, v, lengths=None, *, sm_scale=None):
     lengths = jnp.full((b,), t, jnp.int32)
   scale = float(d ** -0.5 if sm_scale is None else sm_scale)
   f32 = lambda a: a.astype(jnp.float32)
-  out = jax.ffi.ffi_call("sj_causal_attention_f32",
-                         jax.ShapeDtypeStruct((b, t, h, d), jnp.float32))(
-      f32(q), f32(k), f32(v), lengths.astype(jnp.int32), sm_scale=np.float32(scale))
+  bf16 = k.dtype == jnp.bfloat16 and v.dtype == jnp.bfloat16
+  name = "sj_causal_attention_bf16" if bf16 else "sj_causal_attention_f32"
+  kv = (k, v) if bf16 else (f32(k), f32(v))
+  out = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((b, t, h, d), jnp.float32))(
+      f32(q), *kv, lengths.astype(jnp.int32), sm_scale=np.float32(scale))
   return out.astype(q.dtype)

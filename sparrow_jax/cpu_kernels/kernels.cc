@@ -6,6 +6,7 @@
 //   sj_packed_matmul_{f32,bf16}  y[M, P*NB] = x[M, K] @ W, W packed as [P, K, NB] panels
 //                                (each panel's NB output columns contiguous along K), float32
 //                                accumulation.
+//   sj_cache_write_token         one token's K and V per slot into the paged cache, in place
 //   sj_decode_attention_{f32,bf16}_{dense,sparse}
 //                                one query token per slot against a paged cache
 //                                [KV, pages, S, D]: all of a slot's pages (dense) or the
@@ -23,7 +24,12 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -152,15 +158,131 @@ ffi::Error PackedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                               xd[1], wd[0]);
 }
 
+// ---- bfloat16 packed matmul ----------------------------------------------------------------
+//
+// W packed as [P, K2, 128] bfloat16 (K2 = ceil(K / 2)): element (k, c) of a panel at
+// [k / 2, 2 c + k % 2], so each 32-bit lane holds the pair (W[2i, c], W[2i + 1, c]). x is
+// rounded to bfloat16 (to nearest even, as XLA's convert) and read as the same pairs, so one
+// vdpbf16ps multiplies 16 columns by two k at once: bf16 x bf16 products summed in float32
+// (what an XLA dot of bf16 operands with a float32 result computes). Without AVX512-BF16 the
+// pairs are widened to float32 and multiplied with FMAs (the same products).
+
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// Rows [m0, m0 + MR) of one panel; a: the rows' bf16 pairs (row stride lda uint32).
+template <int MR>
+inline void bf16_panel_rows(const uint32_t* a, int64_t lda, const uint16_t* panel, int64_t K2,
+                            float* y, int64_t ldy, int64_t col0) {
+#if defined(__AVX512BF16__)
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* wr = panel + kk * 2 * kNB;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wr + 32);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wr + 64);
+    const __m512bh w3 = (__m512bh)_mm512_loadu_si512(wr + 96);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(int(a[m * lda + kk]));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], av, w0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], av, w1);
+      acc[m][2] = _mm512_dpbf16_ps(acc[m][2], av, w2);
+      acc[m][3] = _mm512_dpbf16_ps(acc[m][3], av, w3);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + m * ldy + col0 + 16 * j, acc[m][j]);
+#else
+  v16 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = v16{};
+  const u32x16 hi_mask = u32x16{} + 0xffff0000u;
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    const uint16_t* wr = panel + kk * 2 * kNB;
+    v16 we[4], wo[4];
+    for (int j = 0; j < 4; ++j) {
+      u32x16 w;
+      std::memcpy(&w, wr + 32 * j, sizeof(w));
+      const u32x16 e = w << 16, o = w & hi_mask;
+      std::memcpy(&we[j], &e, sizeof(e));
+      std::memcpy(&wo[j], &o, sizeof(o));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const uint32_t u = a[m * lda + kk], ue = u << 16, uo = u & 0xffff0000u;
+      float xe, xo;
+      std::memcpy(&xe, &ue, 4);
+      std::memcpy(&xo, &uo, 4);
+      for (int j = 0; j < 4; ++j) acc[m][j] += xe * we[j] + xo * wo[j];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) std::memcpy(y + m * ldy + col0 + 16 * j, &acc[m][j], 64);
+#endif
+}
+
+constexpr int64_t kBF16MR = 6;  // rows per register tile (6 x 4 accumulators)
+
+ffi::Error packed_matmul_bf16(ffi::ThreadPool pool, const float* x, const uint16_t* w,
+                              float* y, int64_t M, int64_t K, int64_t K2, int64_t P) {
+  const int64_t ldy = P * kNB;
+  // x rounded to bfloat16 pairs (zero past K).
+  std::unique_ptr<uint32_t[]> a(new uint32_t[M * K2]);
+  const int64_t row_items = std::max<int64_t>(1, std::min<int64_t>(M, 64));
+  parallel_for(pool, row_items, [&](int64_t item) {
+    for (int64_t m = item; m < M; m += row_items) {
+      uint16_t* dst = reinterpret_cast<uint16_t*>(a.get() + m * K2);
+      const float* src = x + m * K;
+      int64_t k = 0;
+#if defined(__AVX512BF16__)
+      for (; k + 16 <= K; k += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+#endif
+      for (; k < K; ++k) dst[k] = f32_to_bf16(src[k]);
+      if (K % 2) dst[K] = 0;
+    }
+  });
+  // Items: a block of rows x one panel (the panel's K2 x 128 slab stays in cache across the
+  // block's row tiles, the block's rows across its panels).
+  const int64_t block = 16 * kBF16MR;
+  const int64_t blocks = (M + block - 1) / block;
+  parallel_for(pool, blocks * P, [&](int64_t item) {
+    const int64_t rb = item / P, p = item % P;
+    const uint16_t* panel = w + p * K2 * 2 * kNB;
+    const int64_t m_end = std::min(M, (rb + 1) * block);
+    for (int64_t m0 = rb * block; m0 < m_end; m0 += kBF16MR) {
+      const uint32_t* ar = a.get() + m0 * K2;
+      float* yr = y + m0 * ldy;
+      switch (std::min<int64_t>(kBF16MR, m_end - m0)) {
+        case 6: bf16_panel_rows<6>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
+        case 5: bf16_panel_rows<5>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
+        case 4: bf16_panel_rows<4>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
+        case 3: bf16_panel_rows<3>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
+        case 2: bf16_panel_rows<2>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
+        default: bf16_panel_rows<1>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || wd[2] != kNB || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("sj_packed_matmul: expected x [M, K], w [P, K, 64]");
-  return packed_matmul<uint16_t>(pool, x.typed_data(),
-                                 reinterpret_cast<const uint16_t*>(w.typed_data()),
-                                 y->typed_data(), xd[0], xd[1], wd[0]);
+  if (xd.size() != 2 || wd.size() != 3 || wd[2] != 2 * kNB || wd[1] != (xd[1] + 1) / 2)
+    return ffi::Error::InvalidArgument(
+        "sj_packed_matmul_bf16: expected x [M, K], w [P, ceil(K / 2), 128]");
+  return packed_matmul_bf16(pool, x.typed_data(),
+                            reinterpret_cast<const uint16_t*>(w.typed_data()),
+                            y->typed_data(), xd[0], xd[1], wd[1], wd[0]);
 }
 
 // exp of 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (relative
@@ -236,31 +358,101 @@ inline void page_update(const float* qg, const C* kpage, const C* vpage, int64_t
   l = sum;
 }
 
-// The same for pages of 16 tokens and D a multiple of 16: the page's 16 scores are one vector
-// (one exp16), the value rows are added with vector FMAs.
-template <typename C>
-inline void page_update16(const float* qg, const C* kpage, const C* vpage, int64_t valid,
-                          int64_t D, float scale, float& m, float& l, float* acc) {
+// 16 vectors -> one vector of their 16 horizontal sums (lane t = sum of p[t]): a tree of 15
+// shuffle-and-add merges instead of 16 separate reductions.
+inline v16 hsum16x16(const v16* p) {
+  v16 r1[8], r2[4], r3[2];
+  for (int i = 0; i < 8; ++i) {
+    const v16 a = p[2 * i], b = p[2 * i + 1];
+    r1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                    30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const v16 a = r1[2 * i], b = r1[2 * i + 1];
+    r2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                    31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const v16 a = r2[2 * i], b = r2[2 * i + 1];
+    r3[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+            __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                    31);
+  }
+  const v16 a = r3[0], b = r3[1];
+  const v16 r =
+      __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+      __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // lane l holds token bitreverse4(l)
+  return __builtin_shufflevector(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+constexpr int kMaxG = 8;  // query heads per kv head handled together (more: in groups)
+
+// Pages of 16 tokens, D a multiple of 16, the G query heads of one kv head together (G a
+// compile-time constant): a head's 16 scores stay in registers and become one vector
+// (hsum16x16, one exp16); each V row is loaded (and widened from bf16) once for all G heads.
+template <typename C, int G>
+inline void page_update16(const float* q, const C* kpage, const C* vpage, int64_t valid,
+                          int64_t D, float scale, float* m, float* l, float* acc) {
   const int64_t DV = D / 16;
   const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  float sarr[16];
-  for (int64_t t = 0; t < 16; ++t) {
-    const C* kt = kpage + t * D;
-    v16 part = load16(qg) * load16(kt);
-    for (int64_t c = 1; c < DV; ++c) part += load16(qg + c * 16) * load16(kt + c * 16);
-    sarr[t] = hsum(part);
+  alignas(64) float p[G][16];
+  float corr[G];
+  for (int g = 0; g < G; ++g) {
+    v16 part[16];
+    for (int t = 0; t < 16; ++t) part[t] = load16(q + g * D) * load16(kpage + t * D);
+    for (int64_t c = 1; c < DV; ++c) {
+      const v16 qc = load16(q + g * D + c * 16);
+      for (int t = 0; t < 16; ++t) part[t] += qc * load16(kpage + t * D + c * 16);
+    }
+    v16 sc = hsum16x16(part) * scale;
+    if (valid < 16) sc = lane >= float(valid) ? v16{} - INFINITY : sc;
+    const float mx = std::max(m[g], hmax(sc));
+    corr[g] = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first page
+    const v16 e = exp16(sc - mx);
+    std::memcpy(p[g], &e, sizeof(e));
+    l[g] = l[g] * corr[g] + hsum(e);
+    m[g] = mx;
   }
-  v16 sc = load16(sarr) * scale;
-  if (valid < 16) sc = lane >= float(valid) ? v16{} - INFINITY : sc;
-  const float mx = std::max(m, hmax(sc));
-  const float corr = std::exp(m - mx);
-  const v16 p = exp16(sc - mx);
-  l = l * corr + hsum(p);
-  m = mx;
   for (int64_t c = 0; c < DV; ++c) {
-    v16 a = load16(acc + c * 16) * corr;
-    for (int64_t t = 0; t < valid; ++t) a += p[t] * load16(vpage + t * D + c * 16);
-    std::memcpy(acc + c * 16, &a, sizeof(a));
+    v16 a[G];
+    for (int g = 0; g < G; ++g) a[g] = load16(acc + g * D + c * 16) * corr[g];
+    for (int64_t t = 0; t < valid; ++t) {
+      const v16 vv = load16(vpage + t * D + c * 16);
+      for (int g = 0; g < G; ++g) a[g] += p[g][t] * vv;
+    }
+    for (int g = 0; g < G; ++g) std::memcpy(acc + g * D + c * 16, &a[g], sizeof(v16));
+  }
+}
+
+// All query heads of a kv head (in groups of kMaxG) against one page; a bf16 page is widened
+// to float32 once (`wide`, 2 x 16 x D floats) rather than once per head.
+template <typename C>
+inline void page_update16_heads(const float* q, const C* kpage, const C* vpage, int64_t valid,
+                                int64_t G, int64_t D, float scale, float* m, float* l,
+                                float* acc, float* wide) {
+  if constexpr (!std::is_same<C, float>::value) {
+    for (int64_t i = 0; i < 16 * D; i += 16) {
+      const v16 kw = load16(kpage + i), vw = load16(vpage + i);
+      std::memcpy(wide + i, &kw, sizeof(kw));
+      std::memcpy(wide + 16 * D + i, &vw, sizeof(vw));
+    }
+    page_update16_heads<float>(q, wide, wide + 16 * D, valid, G, D, scale, m, l, acc, nullptr);
+    return;
+  }
+  const float* kf = reinterpret_cast<const float*>(kpage);
+  const float* vf = reinterpret_cast<const float*>(vpage);
+  for (int64_t g0 = 0; g0 < G; g0 += kMaxG) {
+    const float* qg = q + g0 * D;
+    float *mg = m + g0, *lg = l + g0, *ag = acc + g0 * D;
+    switch (std::min<int64_t>(kMaxG, G - g0)) {
+#define SJ_G(n) \
+  case n: page_update16<float, n>(qg, kf, vf, valid, D, scale, mg, lg, ag); break;
+      SJ_G(1) SJ_G(2) SJ_G(3) SJ_G(4) SJ_G(5) SJ_G(6) SJ_G(7) SJ_G(8)
+#undef SJ_G
+    }
   }
 }
 
@@ -272,6 +464,7 @@ void attend_chunk(const float* q, const C* kp, const C* vp, const int32_t* pages
                   float* acc_out) {
   const bool vec16 = S == 16 && D % 16 == 0;
   std::vector<float> scores(vec16 ? 0 : S);
+  std::vector<float> wide(vec16 && !std::is_same<C, float>::value ? 2 * 16 * D + 16 : 0);
   for (int64_t g = 0; g < G; ++g) {
     m_out[g] = -INFINITY;
     l_out[g] = 0.f;
@@ -282,11 +475,19 @@ void attend_chunk(const float* q, const C* kp, const C* vp, const int32_t* pages
     if (valid <= 0) continue;
     const C* kpage = kp + int64_t(pages_phys[j]) * S * D;
     const C* vpage = vp + int64_t(pages_phys[j]) * S * D;
-    for (int64_t g = 0; g < G; ++g) {
-      if (vec16)
-        page_update16<C>(q + g * D, kpage, vpage, valid, D, scale, m_out[g], l_out[g],
-                         acc_out + g * D);
-      else
+    if (j + 1 < npages) {  // pages are scattered: ask for the next one's lines now
+      const char* kn = reinterpret_cast<const char*>(kp + int64_t(pages_phys[j + 1]) * S * D);
+      const char* vn = reinterpret_cast<const char*>(vp + int64_t(pages_phys[j + 1]) * S * D);
+      for (int64_t off = 0; off < int64_t(S * D * sizeof(C)); off += 64) {
+        __builtin_prefetch(kn + off);
+        __builtin_prefetch(vn + off);
+      }
+    }
+    if (vec16) {
+      page_update16_heads<C>(q, kpage, vpage, valid, G, D, scale, m_out, l_out, acc_out,
+                             wide.data());
+    } else {
+      for (int64_t g = 0; g < G; ++g)
         page_update<C>(q + g * D, kpage, vpage, valid, D, scale, m_out[g], l_out[g],
                        acc_out + g * D, scores.data());
     }
@@ -401,7 +602,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 // ---- causal prefill attention ---------------------------------------------------------------
 
 constexpr int kKB = 64;  // keys per block (4 vectors)
-constexpr int kQR = 4;   // query rows per tile
+constexpr int kQR = 4;   // query rows per tile (the score loops below are written out for 4)
 
 // Rows [r0, r0 + kQR) of one query head (rows >= T are not written). qh: the head's rows,
 // row stride ldq; kt: the kv head's keys transposed [D, Tp] (Tp = T padded to kKB); vh: its
@@ -531,6 +732,252 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// ---- causal prefill attention, bfloat16 operands ------------------------------------------
+//
+// The same tiles with q, k, v rounded to bfloat16 and each row's probabilities rounded to
+// bfloat16 before the value product (as a bf16 flash attention does); softmax statistics and
+// accumulators in float32. Operands are bf16 pairs (uint32): scores take (q[2i], q[2i+1]) x
+// (k[2i], k[2i+1]) per key; the value product takes (p[2j], p[2j+1]) x (v[2j], v[2j+1]) per
+// column, one vdpbf16ps for 16 keys or columns x 2.
+
+// acc + the 16 lanes' pair dot products of the broadcast pair `a` with the 16 pairs at w.
+inline v16 dot2(v16 acc, uint32_t a, const uint32_t* w) {
+#if defined(__AVX512BF16__)
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_set1_epi32(int(a)),
+                               (__m512bh)_mm512_loadu_si512(w));
+#else
+  u32x16 wv;
+  std::memcpy(&wv, w, sizeof(wv));
+  const u32x16 e = wv << 16, o = wv & (u32x16{} + 0xffff0000u);
+  v16 we, wo;
+  std::memcpy(&we, &e, sizeof(e));
+  std::memcpy(&wo, &o, sizeof(o));
+  const uint32_t ue = a << 16, uo = a & 0xffff0000u;
+  float xe, xo;
+  std::memcpy(&xe, &ue, 4);
+  std::memcpy(&xo, &uo, 4);
+  return acc + xe * we + xo * wo;
+#endif
+}
+
+// Rows [r0, r0 + kQR) of one query head. q2: the head's rows as bf16 pairs [T][D / 2] (row
+// stride ldq2); kt2: keys as pairs transposed [D / 2][Tp]; v2: values paired over keys
+// [Tp / 2][D] (zero past T).
+void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t Tp,
+                      const uint32_t* v2, float* oh, int64_t ldo, int64_t r0, int64_t T,
+                      int64_t len, int64_t D, float scale, float* acc /* [kQR, D] */) {
+  const int64_t rows = std::min<int64_t>(kQR, T - r0);
+  const int64_t D2 = D / 2;
+  float m[kQR], l[kQR];
+  for (int r = 0; r < kQR; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
+  std::fill(acc, acc + kQR * D, 0.f);
+  const int64_t last = std::min(r0 + rows - 1, len - 1);
+  alignas(64) uint32_t p2[kQR][kKB / 2];
+  for (int64_t j0 = 0; j0 <= last; j0 += kKB) {
+    // Rows past T repeat the last row (their results are never used): no branch in the loop,
+    // so the 16 accumulators stay in registers.
+    const uint32_t* qr[kQR];
+    for (int r = 0; r < kQR; ++r) qr[r] = q2 + (r0 + std::min<int64_t>(r, rows - 1)) * ldq2;
+    v16 s[kQR][4];
+    {
+      v16 t0 = {}, t1 = {}, t2 = {}, t3 = {}, t4 = {}, t5 = {}, t6 = {}, t7 = {};
+      v16 t8 = {}, t9 = {}, t10 = {}, t11 = {}, t12 = {}, t13 = {}, t14 = {}, t15 = {};
+      for (int64_t dp = 0; dp < D2; ++dp) {
+        const uint32_t* kr = kt2 + dp * Tp + j0;
+        const uint32_t a0 = qr[0][dp], a1 = qr[1][dp], a2 = qr[2][dp], a3 = qr[3][dp];
+        t0 = dot2(t0, a0, kr), t1 = dot2(t1, a0, kr + 16), t2 = dot2(t2, a0, kr + 32);
+        t3 = dot2(t3, a0, kr + 48), t4 = dot2(t4, a1, kr), t5 = dot2(t5, a1, kr + 16);
+        t6 = dot2(t6, a1, kr + 32), t7 = dot2(t7, a1, kr + 48), t8 = dot2(t8, a2, kr);
+        t9 = dot2(t9, a2, kr + 16), t10 = dot2(t10, a2, kr + 32), t11 = dot2(t11, a2, kr + 48);
+        t12 = dot2(t12, a3, kr), t13 = dot2(t13, a3, kr + 16), t14 = dot2(t14, a3, kr + 32);
+        t15 = dot2(t15, a3, kr + 48);
+      }
+      s[0][0] = t0, s[0][1] = t1, s[0][2] = t2, s[0][3] = t3, s[1][0] = t4, s[1][1] = t5;
+      s[1][2] = t6, s[1][3] = t7, s[2][0] = t8, s[2][1] = t9, s[2][2] = t10, s[2][3] = t11;
+      s[3][0] = t12, s[3][1] = t13, s[3][2] = t14, s[3][3] = t15;
+    }
+    for (int r = 0; r < kQR; ++r) {
+      const int64_t i = r0 + r;
+      if (r >= rows || i >= len) {
+        std::fill(p2[r], p2[r] + kKB / 2, 0u);
+        continue;
+      }
+      const int64_t lim = std::min<int64_t>(i, len - 1) - j0;
+      v16 blk[4];
+      const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+      const v16 ninf = v16{} - INFINITY;
+      for (int c = 0; c < 4; ++c) {
+        v16 sc = s[r][c] * scale;
+        if (lim < (c + 1) * 16 - 1) sc = (lane + float(c * 16)) > float(lim) ? ninf : sc;
+        blk[c] = sc;
+      }
+      const float mx = std::max(m[r], std::max(std::max(hmax(blk[0]), hmax(blk[1])),
+                                               std::max(hmax(blk[2]), hmax(blk[3]))));
+      const float corr = std::exp(m[r] - mx);
+      // The probabilities as the value product uses them (bf16, in key order: key pairs are
+      // adjacent), and their sum from the same rounded values.
+      uint16_t* pb = reinterpret_cast<uint16_t*>(p2[r]);
+      v16 rounded{};
+      for (int c = 0; c < 4; ++c) {
+        const v16 e = exp16(blk[c] - mx);
+#if defined(__AVX512BF16__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 16 * c),
+                            (__m256i)_mm512_cvtneps_pbh((__m512)e));
+#else
+        for (int j = 0; j < 16; ++j) pb[16 * c + j] = f32_to_bf16(e[j]);
+#endif
+        rounded += load16(pb + 16 * c);
+      }
+      const float tot = hsum(rounded);
+      l[r] = l[r] * corr + tot;
+      m[r] = mx;
+      float* a = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+    }
+    const int64_t npairs = (std::min<int64_t>(kKB, last + 1 - j0) + 1) / 2;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      v16 o[kQR][4];
+      for (int r = 0; r < kQR; ++r)
+        for (int c = 0; c < 4; ++c) o[r][c] = load16(acc + r * D + d0 + c * 16);
+      for (int64_t jp = 0; jp < npairs; ++jp) {
+        const uint32_t* vr = v2 + (j0 / 2 + jp) * D + d0;
+        for (int r = 0; r < kQR; ++r)
+          for (int c = 0; c < 4; ++c) o[r][c] = dot2(o[r][c], p2[r][jp], vr + 16 * c);
+      }
+      for (int r = 0; r < kQR; ++r)
+        for (int c = 0; c < 4; ++c) std::memcpy(acc + r * D + d0 + c * 16, &o[r][c], 64);
+    }
+  }
+  for (int r = 0; r < rows; ++r) {
+    float* orow = oh + (r0 + r) * ldo;
+    if (r0 + r >= len || l[r] == 0.f) {
+      std::fill(orow, orow + D, 0.f);
+      continue;
+    }
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) orow[d] = acc[r * D + d] * inv;
+  }
+}
+
+// q [B, T, H, D] float32 (rounded to bf16 here), k / v [B, T, KV, D] bfloat16, lengths [B]
+// -> out [B, T, H, D] float32; D % 64 == 0.
+ffi::Error CausalAttentionBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::BF16> k, ffi::Buffer<ffi::BF16> v,
+                               ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out,
+                               float scale) {
+  auto qd = q.dimensions();
+  auto kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[1] ||
+      kd[3] != qd[3] || qd[2] % kd[2] != 0 || qd[3] % 64 != 0)
+    return ffi::Error::InvalidArgument(
+        "sj_causal_attention_bf16: expected q [B, T, H, D], k/v [B, T, KV, D], D % 64 == 0");
+  const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], KV = kd[2], G = H / KV;
+  const int64_t D2 = D / 2;
+  const int64_t Tp = (T + kKB - 1) / kKB * kKB;
+  const float* qp = q.typed_data();
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(k.typed_data());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(v.typed_data());
+  const int32_t* lp = lengths.typed_data();
+  float* op = out->typed_data();
+  // Per (row, kv head): keys as pairs transposed [D2, Tp], values paired over keys [Tp/2, D];
+  // queries as pairs [B, T, H, D2]. Zero past T.
+  std::vector<uint32_t> kt(B * KV * D2 * Tp, 0u), vt(B * KV * (Tp / 2) * D, 0u);
+  std::vector<uint32_t> q2(B * T * H * D2);
+  parallel_for(pool, B * KV, [&](int64_t bh) {
+    const int64_t b = bh / KV, h = bh % KV;
+    uint32_t* kdst = kt.data() + bh * D2 * Tp;
+    uint32_t* vdst = vt.data() + bh * (Tp / 2) * D;
+    // keys in blocks of 64 tokens, so that each d pair's row segment is written contiguously
+    for (int64_t t0 = 0; t0 < T; t0 += kKB) {
+      const int64_t t1 = std::min<int64_t>(T, t0 + kKB);
+      for (int64_t dp = 0; dp < D2; ++dp) {
+        uint32_t* row = kdst + dp * Tp;
+        for (int64_t t = t0; t < t1; ++t) {
+          uint32_t pair;
+          std::memcpy(&pair, kp + ((b * T + t) * KV + h) * D + 2 * dp, 4);
+          row[t] = pair;
+        }
+      }
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      const uint16_t* vs = vp + ((b * T + t) * KV + h) * D;
+      uint16_t* vrow = reinterpret_cast<uint16_t*>(vdst + (t / 2) * D);
+      for (int64_t d = 0; d < D; ++d) vrow[2 * d + (t % 2)] = vs[d];
+    }
+  });
+  parallel_for(pool, std::max<int64_t>(1, std::min<int64_t>(B * T, 64)), [&](int64_t item) {
+    const int64_t step = std::max<int64_t>(1, std::min<int64_t>(B * T, 64));
+    for (int64_t bt = item; bt < B * T; bt += step) {
+      const float* src = qp + bt * H * D;
+      uint32_t* dst = q2.data() + bt * H * D2;
+      uint16_t* d16 = reinterpret_cast<uint16_t*>(dst);  // pairs = bf16 in natural order
+      int64_t i = 0;
+#if defined(__AVX512BF16__)
+      for (; i + 16 <= H * D; i += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(d16 + i),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+      for (; i < H * D; ++i) d16[i] = f32_to_bf16(src[i]);
+    }
+  });
+  const int64_t tiles = (T + kQR - 1) / kQR;
+  parallel_for(pool, B * H * tiles, [&](int64_t item) {
+    const int64_t tile = tiles - 1 - item / (B * H);
+    const int64_t bh = item % (B * H);
+    const int64_t b = bh / H, h = bh % H, kvh = h / G;
+    const int64_t len = std::min<int64_t>(T, std::max<int32_t>(0, lp[b]));
+    std::vector<float> acc(kQR * D);
+    causal_tile_bf16(q2.data() + (b * T * H + h) * D2, H * D2,
+                     kt.data() + (b * KV + kvh) * D2 * Tp, Tp,
+                     vt.data() + (b * KV + kvh) * (Tp / 2) * D, op + (b * T * H + h) * D, H * D,
+                     tile * kQR, T, len, D, scale, acc.data());
+  });
+  return ffi::Error::Success();
+}
+
+// ---- one token per slot into the paged cache, in place ---------------------------------------
+
+// k / v caches [KV, P, S, D] (any dtype; the outputs alias them), k_rows / v_rows [KV, B, D] of
+// that dtype, dest / off [B]: row b goes to page dest[b], offset off[b]; out-of-range entries
+// write nothing. XLA:CPU widens a bfloat16 scatter to float32 and so converts the whole cache
+// there and back at every decode step; this writes 2 x B x KV rows.
+ffi::Error CacheWriteToken(ffi::AnyBuffer kc, ffi::AnyBuffer vc, ffi::AnyBuffer kr,
+                           ffi::AnyBuffer vr, ffi::Buffer<ffi::S32> dest,
+                           ffi::Buffer<ffi::S32> off, ffi::Result<ffi::AnyBuffer> kout,
+                           ffi::Result<ffi::AnyBuffer> vout) {
+  auto cd = kc.dimensions();
+  auto rd = kr.dimensions();
+  const bool same = vc.dimensions().size() == cd.size() && vr.dimensions().size() == rd.size() &&
+                    std::equal(cd.begin(), cd.end(), vc.dimensions().begin()) &&
+                    std::equal(rd.begin(), rd.end(), vr.dimensions().begin());
+  if (cd.size() != 4 || rd.size() != 3 || !same || rd[0] != cd[0] || rd[2] != cd[3] ||
+      kc.element_type() != kr.element_type() || vc.element_type() != kc.element_type() ||
+      vr.element_type() != kc.element_type() || dest.element_count() != size_t(rd[1]) ||
+      off.element_count() != size_t(rd[1]))
+    return ffi::Error::InvalidArgument(
+        "sj_cache_write_token: expected k/v caches [KV, P, S, D], rows [KV, B, D] of their "
+        "dtype, dest / off [B]");
+  const int64_t KV = cd[0], P = cd[1], S = cd[2], D = cd[3], B = rd[1];
+  const size_t item = kc.size_bytes() / kc.element_count();
+  const int32_t* dp = dest.typed_data();
+  const int32_t* op = off.typed_data();
+  auto write = [&](const ffi::AnyBuffer& cache, const ffi::AnyBuffer& rows, void* out) {
+    char* dst = static_cast<char*>(out);
+    if (dst != cache.untyped_data())  // XLA did not alias the buffers: start from a copy
+      std::memcpy(dst, cache.untyped_data(), cache.size_bytes());
+    const char* src = static_cast<const char*>(rows.untyped_data());
+    for (int64_t b = 0; b < B; ++b) {
+      if (dp[b] < 0 || dp[b] >= P || op[b] < 0 || op[b] >= S) continue;
+      for (int64_t h = 0; h < KV; ++h)
+        std::memcpy(dst + (((h * P + dp[b]) * S + op[b]) * D) * item,
+                    src + ((h * B + b) * D) * item, D * item);
+    }
+  };
+  write(kc, kr, kout->untyped_data());
+  write(vc, vr, vout->untyped_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_matmul_f32, PackedMatmulF32,
@@ -571,6 +1018,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_causal_attention_f32, CausalAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("sm_scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_cache_write_token, CacheWriteToken,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_causal_attention_bf16, CausalAttentionBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale"));

@@ -213,7 +213,7 @@ class GenerationEngine(DeviceSteps):
     placed = self._replicate(jax.tree.map(cast, state))
     if self.config.cpu_decode_weights is not None:
       # The decode step's weights, packed for the C++ CPU matmul (one jitted pass over the
-      # parameters, again at every `set_state`); prefill keeps using `placed`.
+      # parameters, again at every `set_state`); prefill uses them too when they are bf16.
       if self._pack_fn is None:
         dtype = jnp.dtype(self.config.cpu_decode_weights)
         self._pack_fn = jax.jit(
@@ -560,7 +560,8 @@ class GenerationEngine(DeviceSteps):
     cache, tok, lp, (tk_ids, tk_lps), rec = fn(
         self.state, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(slot_ids),
         jnp.asarray(page_rows), *(jnp.asarray(x) for x in params), run.budgets,
-        jnp.asarray(prompt_lengths), run.lora, *det)
+        jnp.asarray(prompt_lengths), run.lora, *det,
+        *((self._packed,) if self._prefill_packed() else ()))
     self._kv = cache
     tok, lp, tk_ids, tk_lps, rec = self._device_get(run, (tok, lp, tk_ids, tk_lps, rec))
     counts = run.counts

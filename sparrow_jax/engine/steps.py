@@ -29,7 +29,7 @@ class DeviceSteps:
 
   def _prefill_local(self, attention, max_top_k, state, cache, tokens, lengths, slots,
                      page_rows, seeds, temps, top_ps, top_ks, table, prompt_lengths, lora,
-                     det=None):
+                     det=None, packed=None):
     """Prefill rows `[n, T]`, sample each one's next token. With `det` (pruning), also the
     detection record of each row's last context token: the one input token of a sequence
     that no decode step takes (for a readmitted sequence, its last generated token)."""
@@ -42,7 +42,8 @@ class DeviceSteps:
                                           attention=attention, budgets=budgets,
                                           prompt_lengths=prompt_lengths, lora=lora,
                                           return_hidden=True,
-                                          matmul_dtype=self._prefill_matmul_dtype())
+                                          matmul_dtype=self._prefill_matmul_dtype(),
+                                          packed=packed)
     tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks,
                             max_top_k=max_top_k)
     tk = self._topk(logits, temps)
@@ -59,6 +60,12 @@ class DeviceSteps:
     """bfloat16 rollout weights (`cpu_decode_weights="bfloat16"`): the prefill's projections
     in bf16 too (float32 accumulation), so that every rollout token comes from bf16 weights."""
     return jnp.bfloat16 if self.config.cpu_decode_weights == "bfloat16" else None
+
+  def _prefill_packed(self) -> bool:
+    """Whether the prefill runs its projections on the packed copy: bfloat16 ones only (the
+    C++ bf16 GEMM runs at or above XLA's rate; XLA's float32 GEMM beats the packed float32
+    kernel at prefill sizes)."""
+    return self._packed is not None and self.config.cpu_decode_weights == "bfloat16"
 
   def _topk(self, logits, temps):
     k = self.config.logprobs_topk
@@ -125,11 +132,19 @@ class DeviceSteps:
     return cache, outs, steps[None], rec, (tok, active, remaining, count)
 
   def _get_prefill(self, attention, max_top_k: int = 0, with_det: bool = False):
-    key = (attention, max_top_k, with_det)
+    """The prefill program: args (state, cache, tokens, lengths, slots, page_rows, seeds,
+    temps, top_ps, top_ks, table, prompt_lengths, lora[, det][, packed]): `packed` when
+    `_prefill_packed()`."""
+    with_packed = self._prefill_packed()
+    key = (attention, max_top_k, with_det, with_packed)
     if key not in self._prefill_fn:
       def fn(state, cache, *args):
         self.num_compilations += 1  # runs at trace time only
-        local = lambda st, ca, *a: self._prefill_local(attention, max_top_k, st, ca, *a)
+
+        def local(st, ca, *a):
+          a = list(a)
+          packed = a.pop() if with_packed else None
+          return self._prefill_local(attention, max_top_k, st, ca, *a, packed=packed)
         rows = P(AXIS)
         in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
                     P(), rows, P())
@@ -137,6 +152,8 @@ class DeviceSteps:
         if with_det:
           in_specs += ((P(), P(), rows, rows),)
           rec_specs = (rows,) * 6
+        if with_packed:
+          in_specs += (P(),)
         out_specs = (self._cache_specs(), rows, rows, (rows, rows), rec_specs)
         return self._shard(local, in_specs, out_specs)(state, cache, *args)
       self._prefill_fn[key] = jax.jit(fn, donate_argnums=(1,))

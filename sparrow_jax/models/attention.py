@@ -97,15 +97,19 @@ def causal_attention(q, k, v, lengths, *, query_chunk: int = 128, backend: str =
 
 
 def full_sequence_attention(spec: AttentionSpec, layer: int, q, k, v, *, lengths,
-                            budgets=None, prompt_lengths=None, inference: bool = False):
+                            budgets=None, prompt_lengths=None, inference: bool = False,
+                            cache_dtype=None):
   """Teacher-forced attention of one layer for whole sequences starting at position 0.
 
   `inference` (the engine's prefill, never differentiated): with `backend="cpu"` a dense
   layer runs the C++ causal kernel (`cpu_kernels.causal_attention`) where it takes the head
-  dim, instead of the `train_backend` path."""
+  dim, instead of the `train_backend` path; with a bfloat16 `cache_dtype` (the cache it is
+  writing) it attends to K/V as the cache stores them, with the kernel's bf16 products."""
   if not is_sparse_layer(spec, layer):
     if (inference and dispatch.parse_backend(spec.backend) is dispatch.Backend.CPU
         and cpu_kernels.causal_attention_supported(q)):
+      if cache_dtype is not None and jnp.dtype(cache_dtype) == jnp.bfloat16:
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
       return cpu_kernels.causal_attention(q, k, v, lengths)
     return causal_attention(q, k, v, lengths, backend=spec.train_backend)
   if budgets is None:

@@ -33,6 +33,7 @@ from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.sharding_hints import constrain_batch
 from sparrow_jax.models.config import ModelConfig
 from sparrow_jax.models.kv_cache import PagedKVCache
+from sparrow_jax.pallas_kernels import dispatch
 
 _INIT_STD = 0.02
 
@@ -126,12 +127,13 @@ class Attention(nnx.Module):
     dt = self.dtype
     lora = lora or {}
     x = x.astype(dt)
-    if packed is not None:
+    if packed is not None:  # q, k, v in one product (one kernel call)
       _, n, h = self.q_DNH.value.shape
       kv = self.k_DKH.value.shape[1]
-      q = _packed(x, packed["q"], n * h, dt).reshape(*x.shape[:-1], n, h)
-      k = _packed(x, packed["k"], kv * h, dt).reshape(*x.shape[:-1], kv, h)
-      v = _packed(x, packed["v"], kv * h, dt).reshape(*x.shape[:-1], kv, h)
+      y = _packed(x, packed["qkv"], (n + 2 * kv) * h, dt)
+      q = y[..., :n * h].reshape(*x.shape[:-1], n, h)
+      k = y[..., n * h:(n + kv) * h].reshape(*x.shape[:-1], kv, h)
+      v = y[..., (n + kv) * h:].reshape(*x.shape[:-1], kv, h)
     else:
       md = matmul_dtype
       q = _mm("...d,dnh->...nh", x, self.q_DNH.value, dt, md)
@@ -184,9 +186,9 @@ class MLP(nnx.Module):
     lora = lora or {}
     x = x.astype(dt)
     f = self.gate_DF.value.shape[1]
-    if packed is not None:
-      g = _packed(x, packed["gate"], f, dt)
-      u = _packed(x, packed["up"], f, dt)
+    if packed is not None:  # gate and up in one product
+      gu = _packed(x, packed["gate_up"], 2 * f, dt)
+      g, u = gu[..., :f], gu[..., f:]
     else:
       g = _mm("...d,df->...f", x, self.gate_DF.value, dt, matmul_dtype)
       u = _mm("...d,df->...f", x, self.up_DF.value, dt, matmul_dtype)
@@ -331,7 +333,7 @@ class Decoder(nnx.Module):
   def prefill(self, cache: PagedKVCache, tokens, lengths, slots, page_rows, *,
               attention: attn_lib.AttentionSpec | None = None, budgets=None,
               prompt_lengths=None, lora=None, return_hidden: bool = False,
-              matmul_dtype=None):
+              matmul_dtype=None, packed=None):
     """Write whole sequences into the cache and return the logits of each one's last token.
 
     Fresh prompts are prefilled with dense attention (as in SGLang/Vortex, only decode is
@@ -355,6 +357,9 @@ class Decoder(nnx.Module):
       return_hidden: also return the final-normed hidden state of the last token `[n, D]`.
       matmul_dtype: the layers' projections with operands in this dtype and float32
         accumulation (`_mm`; the engine's bf16 rollout weights). The LM head stays as is.
+      packed: `pack_decode_weights(model, bfloat16)`: every projection and the LM head through
+        the C++ CPU kernel's bf16 GEMM on these copies (the same products as `matmul_dtype`
+        bfloat16; the CPU platform only).
     Returns:
       (cache, logits float32 `[n, V]`) or (cache, logits, hidden) with `return_hidden`.
     """
@@ -365,21 +370,24 @@ class Decoder(nnx.Module):
       prompt_lengths = lengths
     cache = cache.assign_slots(slots, page_rows, lengths)
     x = self.embed(tokens)
+    md = matmul_dtype
     for i, layer in enumerate(self.layers):
       ll = self._layer_lora(lora, i)
+      pl = None if packed is None else packed["layers"][i]
       h = layer.input_norm(x)
-      q, k, v = layer.attn.qkv(h, positions, ll, matmul_dtype=matmul_dtype)
+      q, k, v = layer.attn.qkv(h, positions, ll, packed=pl, matmul_dtype=md)
       cache = cache.write_prompt(i, k, v, page_rows, lengths)
       o = attn_lib.full_sequence_attention(attention, i, q, k, v, lengths=lengths,
                                            budgets=budgets, prompt_lengths=prompt_lengths,
-                                           inference=True)
-      x = x + layer.attn.out(o, ll, matmul_dtype=matmul_dtype)
-      x = x + layer.mlp(layer.post_attn_norm(x), ll, matmul_dtype=matmul_dtype)
+                                           inference=True, cache_dtype=cache.k[i].dtype)
+      x = x + layer.attn.out(o, ll, packed=pl, matmul_dtype=md)
+      x = x + layer.mlp(layer.post_attn_norm(x), ll, packed=pl, matmul_dtype=md)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [n, D]
     xn = self.final_norm(last)
+    logits = self.lm_head(xn, packed=None if packed is None else packed["lm_head"])
     if return_hidden:
-      return cache, self.lm_head(xn), xn
-    return cache, self.lm_head(xn)
+      return cache, logits, xn
+    return cache, logits
 
   # --- paged cache: one decode step -----------------------------------------------------
   def decode(self, cache: PagedKVCache, tokens, active, *,
@@ -410,12 +418,13 @@ class Decoder(nnx.Module):
     new_lengths = positions + active.astype(jnp.int32)
     if rope is None:  # one (cos, sin) table per step, shared by every layer
       rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)  # [B, Dh] x2
+    cpu_write = dispatch.parse_backend(attention.backend) is dispatch.Backend.CPU
     for i, layer in enumerate(self.layers):
       ll = self._layer_lora(lora, i)
       pl = None if packed is None else packed["layers"][i]
       h = layer.input_norm(x)
       q, k, v = layer.attn.qkv(h, positions, ll, rope=rope, packed=pl)  # [B,N,H], [B,K,H]
-      cache = cache.write_token(i, k, v, active)
+      cache = cache.write_token(i, k, v, active, cpu_kernel=cpu_write)
       o = attn_lib.decode_attention(attention, i, q, cache, new_lengths, budgets=budgets)
       x = x + layer.attn.out(o, ll, packed=pl)
       x = x + layer.mlp(layer.post_attn_norm(x), ll, packed=pl)
@@ -433,19 +442,21 @@ def _packed(x, w_packed, n: int, dt):
 
 def pack_decode_weights(model: Decoder, dtype) -> dict:
   """Every projection and the LM head of `model` as `cpu_kernels.pack_weight` panels in
-  `dtype` (float32 or bfloat16), for `Decoder.decode(packed=...)` on the CPU: {"layers": [{q,
-  k, v, o, gate, up, down}], "lm_head"}. A copy beside the parameters (prefill and training
-  keep using those), made again whenever the parameters change."""
+  `dtype` (float32 or bfloat16), for `Decoder.decode(packed=...)` / `prefill(packed=...)` on
+  the CPU: {"layers": [{qkv, o, gate_up, down}], "lm_head"}, q|k|v and gate|up concatenated
+  along their outputs (one kernel call each). A copy beside the parameters (training keeps
+  using those), made again whenever the parameters change."""
   pack = lambda w: cpu_kernels.pack_weight(w, dtype)
   layers = []
   for layer in model.layers:
     a, m = layer.attn, layer.mlp
     d = a.q_DNH.value.shape[0]
+    qkv = jnp.concatenate([a.q_DNH.value.reshape(d, -1), a.k_DKH.value.reshape(d, -1),
+                           a.v_DKH.value.reshape(d, -1)], axis=1)
     layers.append({
-        "q": pack(a.q_DNH.value.reshape(d, -1)), "k": pack(a.k_DKH.value.reshape(d, -1)),
-        "v": pack(a.v_DKH.value.reshape(d, -1)),
-        "o": pack(a.o_NHD.value.reshape(-1, a.o_NHD.value.shape[-1])),
-        "gate": pack(m.gate_DF.value), "up": pack(m.up_DF.value), "down": pack(m.down_FD.value)})
+        "qkv": pack(qkv), "o": pack(a.o_NHD.value.reshape(-1, a.o_NHD.value.shape[-1])),
+        "gate_up": pack(jnp.concatenate([m.gate_DF.value, m.up_DF.value], axis=1)),
+        "down": pack(m.down_FD.value)})
   head = (model.embed_VD.value.T if model.cfg.tie_word_embeddings
           else model.lm_head_DV.value)
   return {"layers": layers, "lm_head": pack(head)}

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from sparrow_jax import cpu_kernels
 from sparrow_jax.pallas_kernels import selection
 
 
@@ -134,8 +135,8 @@ class PagedKVCache:
     # `x.at[:, dest]` has shape [K, n, npg, S, D].
     kp = k.reshape(n, npg, s, kh, d).transpose(3, 0, 1, 2, 4)  # [K, n, npg, S, D]
     vp = v.reshape(n, npg, s, kh, d).transpose(3, 0, 1, 2, 4)
-    new_k = self.k[layer].at[:, dest].set(kp.astype(self.k[layer].dtype), mode="drop")
-    new_v = self.v[layer].at[:, dest].set(vp.astype(self.v[layer].dtype), mode="drop")
+    new_k = _scatter_set(self.k[layer], (slice(None), dest), kp)
+    new_v = _scatter_set(self.v[layer], (slice(None), dest), vp)
     lms = self.landmarks[layer]
     if lms:
       # Landmarks from the keys as stored (cache dtype), as decode would read them back,
@@ -144,13 +145,15 @@ class PagedKVCache:
       nv = jnp.broadcast_to(num_valid[None], stored.shape[:3])  # [K, n, npg]
       lm = selection.compute_landmarks(stored, nv, self._kind())
       lm = lm if isinstance(lm, tuple) else (lm,)
-      lms = tuple(old.at[:, dest].set(new.astype(old.dtype), mode="drop")
-                  for old, new in zip(lms, lm))
+      lms = tuple(_scatter_set(old, (slice(None), dest), new) for old, new in zip(lms, lm))
     return self._with_layer(layer, new_k, new_v, lms)
 
-  def write_token(self, layer: int, k, v, active) -> "PagedKVCache":
+  def write_token(self, layer: int, k, v, active, *, cpu_kernel: bool = False
+                  ) -> "PagedKVCache":
     """Write one token per slot (`k, v [B, K, D]`) at position `lengths[b]`; inactive slots
-    write nothing. When the token completes its page, that page's landmark is written."""
+    write nothing. When the token completes its page, that page's landmark is written.
+    `cpu_kernel`: a 16-bit cache's write through `cpu_kernels.cache_write_token` (in place;
+    XLA:CPU's scatter widens the whole buffer to float32 and back). The same values."""
     s = self.page_size
     pos = self.lengths  # [B]
     m = self.page_table.shape[1]
@@ -160,10 +163,13 @@ class PagedKVCache:
     oob = self.num_pages
     dest = jnp.where(active, phys, oob)  # [B]
     # `x.at[:, dest, off]` has shape [K, B, D].
-    new_k = self.k[layer].at[:, dest, off].set(
-        jnp.swapaxes(k, 0, 1).astype(self.k[layer].dtype), mode="drop")
-    new_v = self.v[layer].at[:, dest, off].set(
-        jnp.swapaxes(v, 0, 1).astype(self.v[layer].dtype), mode="drop")
+    if cpu_kernel and self.k[layer].dtype.itemsize == 2:
+      row = lambda x: jnp.swapaxes(x, 0, 1).astype(self.k[layer].dtype)
+      new_k, new_v = cpu_kernels.cache_write_token(self.k[layer], self.v[layer], row(k),
+                                                   row(v), dest, off)
+    else:
+      new_k = _scatter_set(self.k[layer], (slice(None), dest, off), jnp.swapaxes(k, 0, 1))
+      new_v = _scatter_set(self.v[layer], (slice(None), dest, off), jnp.swapaxes(v, 0, 1))
     lms = self.landmarks[layer]
     if lms:
       filled = active & (off == s - 1)  # [B]
@@ -172,9 +178,21 @@ class PagedKVCache:
       lm = selection.compute_landmarks(keys, nv, self._kind())
       lm = lm if isinstance(lm, tuple) else (lm,)
       lm_dest = jnp.where(filled, phys, oob)
-      lms = tuple(old.at[:, lm_dest].set(new.astype(old.dtype), mode="drop")
-                  for old, new in zip(lms, lm))
+      lms = tuple(_scatter_set(old, (slice(None), lm_dest), new) for old, new in zip(lms, lm))
     return self._with_layer(layer, new_k, new_v, lms)
+
+
+def _scatter_set(buf, index, new):
+  """`buf.at[index].set(new, mode="drop")` in buf's dtype. 16-bit float buffers are written
+  through their bits (uint16): XLA:CPU widens a bfloat16 scatter to float32, converting the
+  whole buffer there and back at every write (two cache-sized passes per layer per decode
+  step); an integer scatter updates it in place. The same values on every platform."""
+  new = new.astype(buf.dtype)
+  if jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize == 2:
+    bits = jax.lax.bitcast_convert_type(buf, jnp.uint16).at[index].set(
+        jax.lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
+    return jax.lax.bitcast_convert_type(bits, buf.dtype)
+  return buf.at[index].set(new, mode="drop")
 
 
 def check_landmark_dtype(landmark_dtype) -> None:
