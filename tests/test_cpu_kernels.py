@@ -71,6 +71,17 @@ def test_pack_and_matmul_refuse_bad_input():
     ck.packed_matmul(jnp.ones((2, 11)), wb, 70)
 
 
+def _assert_matches(out, ref_of, q, dtype):
+  """float32 cache: the reference on the same q within float32 rounding. bfloat16 cache: the
+  kernel rounds q and each page's probabilities to bf16 (pair dot products); against the
+  reference on the rounded q, the outputs differ by the probabilities' rounding (2^-9)."""
+  if dtype == "float32":
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_of(q)), rtol=2e-5, atol=2e-6)
+    return
+  err = np.abs(np.asarray(out) - np.asarray(ref_of(q.astype(jnp.bfloat16).astype(jnp.float32))))
+  assert err.max() < 1e-2 and err.mean() < 1e-3, (err.max(), err.mean())
+
+
 def _pool(rng, dtype, *, b=3, h=6, kvh=2, d=64, s=16, pages=40, m=10):
   q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.float32)
   k = jnp.asarray(rng.standard_normal((kvh, pages, s, d)), jnp.float32).astype(dtype)
@@ -90,9 +101,10 @@ def test_dense_decode_attention_matches_the_reference(dtype, h, kvh):
   lengths = jnp.asarray([0, 77, 160], jnp.int32)
   out = jax.jit(ck.decode_attention)(q, k, v, table, lengths)
   every = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32), (3, kvh, 10))
-  ref = sparse_decode_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), table,
-                                lengths, every, every * 16 < lengths[:, None, None])
-  np.testing.assert_allclose(np.asarray(out[1:]), np.asarray(ref[1:]), rtol=2e-5, atol=2e-6)
+  ref_of = lambda qq: sparse_decode_reference(
+      qq, k.astype(jnp.float32), v.astype(jnp.float32), table, lengths, every,
+      every * 16 < lengths[:, None, None])[1:]
+  _assert_matches(out[1:], ref_of, q, dtype)
   assert np.all(np.asarray(out[0]) == 0)
   # the dispatch entry point the decoder calls
   via = dispatch.dense_decode_attention(q, k, v, table, lengths, backend="cpu")
@@ -112,9 +124,9 @@ def test_sparse_decode_attention_matches_the_reference(dtype):
   valid[:, :, 0] = True
   idx, valid = jnp.asarray(idx, jnp.int32), jnp.asarray(valid)
   out = dispatch.sparse_decode_attention(q, k, v, table, lengths, idx, valid, backend="cpu")
-  ref = sparse_decode_reference(q, k.astype(jnp.float32), v.astype(jnp.float32), table,
-                                lengths, idx, valid)
-  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=2e-5, atol=2e-6)
+  ref_of = lambda qq: sparse_decode_reference(qq, k.astype(jnp.float32), v.astype(jnp.float32),
+                                              table, lengths, idx, valid)
+  _assert_matches(out, ref_of, q, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -269,8 +281,8 @@ def test_causal_attention_bf16_matches_the_reference_on_rounded_operands(d, kvh)
 
 def test_kernels_without_avx512_bf16_compute_the_same(tmp_path):
   """Built without AVX512-BF16 (`SPARROW_JAX_CXXFLAGS=-mno-avx512bf16`, as on CPUs that lack
-  it) the bf16 matmul and causal kernels widen the pairs to float32: the same results as
-  the float64 / float32 references."""
+  it) the bf16 matmul, causal and decode attention kernels widen the pairs to float32: the
+  same results as the float64 / float32 references on the same rounded operands."""
   code = """
 import jax, jax.numpy as jnp, numpy as np
 from sparrow_jax import cpu_kernels as ck
@@ -287,15 +299,26 @@ out = ck.causal_attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
 rr = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
 ref = train_attention.causal_attention(rr(q), rr(k), rr(v), lengths=jnp.asarray([70]), impl="reference")
 print("CAUSAL", float(jnp.max(jnp.abs(out - ref))))
+from sparrow_jax.pallas_kernels.reference import sparse_decode_reference
+qd = jnp.asarray(rng.standard_normal((2, 6, 64)), jnp.float32)
+kc, vc = (jnp.asarray(rng.standard_normal((2, 12, 16, 64)), jnp.bfloat16) for _ in range(2))
+table = jnp.asarray(1 + rng.permutation(11)[:10].reshape(2, 5), jnp.int32)
+lens = jnp.asarray([37, 80], jnp.int32)
+got = ck.decode_attention(qd, kc, vc, table, lens)
+every = jnp.broadcast_to(jnp.arange(5, dtype=jnp.int32), (2, 2, 5))
+want = sparse_decode_reference(rr(qd), kc.astype(jnp.float32), vc.astype(jnp.float32), table, lens, every, every * 16 < lens[:, None, None])
+print("DECODE", float(jnp.max(jnp.abs(got - want))))
 """
   env = dict(os.environ, SPARROW_JAX_CXXFLAGS="-mno-avx512bf16",
              SPARROW_JAX_KERNEL_CACHE=str(tmp_path))
   out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
-  vals = dict(line.split() for line in out.stdout.splitlines() if line[:6] in ("MATMUL", "CAUSAL"))
+  vals = dict(line.split() for line in out.stdout.splitlines()
+              if line[:6] in ("MATMUL", "CAUSAL", "DECODE"))
   assert float(vals["MATMUL"]) < 1e-3, out.stdout
   assert float(vals["CAUSAL"]) < 1e-2, out.stdout
+  assert float(vals["DECODE"]) < 1e-2, out.stdout
   lib = [f for f in os.listdir(tmp_path) if f.endswith(".so")]
   assert len(lib) == 1  # built here, with the flag (the cache key includes the flags)
 

@@ -63,6 +63,15 @@ inline float to_f32(uint16_t x) {
   return f;
 }
 
+// float32 -> bfloat16, rounding to nearest even (as XLA converts)
+inline uint16_t f32_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
 // Runs fn(i) for i in [0, n) on the pool and the calling thread; returns when all are done.
 void parallel_for(ffi::ThreadPool& pool, int64_t n, const std::function<void(int64_t)>& fn) {
   int64_t threads = std::min<int64_t>(n, std::max<int64_t>(1, pool.num_threads()));
@@ -166,14 +175,6 @@ ffi::Error PackedMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // vdpbf16ps multiplies 16 columns by two k at once: bf16 x bf16 products summed in float32
 // (what an XLA dot of bf16 operands with a float32 result computes). Without AVX512-BF16 the
 // pairs are widened to float32 and multiplied with FMAs (the same products).
-
-inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
 
 // Rows [m0, m0 + MR) of one panel; a: the rows' bf16 pairs (row stride lda uint32).
 template <int MR>
@@ -427,13 +428,128 @@ inline void page_update16(const float* q, const C* kpage, const C* vpage, int64_
   }
 }
 
+// ---- bf16 cache: pair dot products -----------------------------------------------------------
+//
+// With a bfloat16 cache the query and each page's probabilities are rounded to bf16 too (as the
+// bf16 prefill kernel does) and every product is bf16 x bf16 summed in float32: scores as
+// (q[2i], q[2i+1]) . (k[2i], k[2i+1]) per token, values as (p[2j], p[2j+1]) . (v[2j][d],
+// v[2j+1][d]) per column, one vdpbf16ps per 16 lanes x 2 (widened FMAs without AVX512-BF16).
+
+inline u32x16 loadu32(const void* p) {
+  u32x16 r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+inline v16 dp16(v16 acc, u32x16 a, u32x16 b) {
+#if defined(__AVX512BF16__)
+  return (v16)_mm512_dpbf16_ps((__m512)acc, (__m512bh)a, (__m512bh)b);
+#else
+  const u32x16 hi = u32x16{} + 0xffff0000u;
+  const u32x16 ae = a << 16, ao = a & hi, be = b << 16, bo = b & hi;
+  v16 fae, fao, fbe, fbo;
+  std::memcpy(&fae, &ae, 64);
+  std::memcpy(&fao, &ao, 64);
+  std::memcpy(&fbe, &be, 64);
+  std::memcpy(&fbo, &bo, 64);
+  return acc + fae * fbe + fao * fbo;
+#endif
+}
+
+// Two rows of 32 bf16 -> the pairs (ra[k], rb[k]) for k < 16 (lo) and 16 <= k < 32 (hi).
+inline void interleave_rows(const uint16_t* ra, const uint16_t* rb, u32x16& lo, u32x16& hi) {
+#if defined(__AVX512BF16__)
+  alignas(64) static const uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38,
+                                               7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13,
+                                               45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
+                                               22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59,
+                                               28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i a = _mm512_loadu_si512(ra), b = _mm512_loadu_si512(rb);
+  lo = (u32x16)_mm512_permutex2var_epi16(a, _mm512_load_si512(kLo), b);
+  hi = (u32x16)_mm512_permutex2var_epi16(a, _mm512_load_si512(kHi), b);
+#else
+  for (int k = 0; k < 16; ++k) {
+    lo[k] = uint32_t(ra[k]) | (uint32_t(rb[k]) << 16);
+    hi[k] = uint32_t(ra[16 + k]) | (uint32_t(rb[16 + k]) << 16);
+  }
+#endif
+}
+
+// G query heads (as bf16 pairs q2 [G, D / 2]) against one 16-token bf16 page; D % 32 == 0.
+template <int G>
+inline void page_update16_bf16(const uint32_t* q2, const uint16_t* kpage,
+                               const uint16_t* vpage, int64_t valid, int64_t D, float scale,
+                               float* m, float* l, float* acc) {
+  const int64_t D2 = D / 2, DC = D / 32;
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  alignas(64) uint32_t p2[G][8];
+  float corr[G];
+  for (int g = 0; g < G; ++g) {
+    v16 part[16];
+    const u32x16 q0 = loadu32(q2 + g * D2);
+    for (int t = 0; t < 16; ++t) part[t] = dp16(v16{}, q0, loadu32(kpage + t * D));
+    for (int64_t c = 1; c < DC; ++c) {
+      const u32x16 qc = loadu32(q2 + g * D2 + 16 * c);
+      for (int t = 0; t < 16; ++t) part[t] = dp16(part[t], qc, loadu32(kpage + t * D + 32 * c));
+    }
+    v16 sc = hsum16x16(part) * scale;
+    if (valid < 16) sc = lane >= float(valid) ? v16{} - INFINITY : sc;
+    const float mx = std::max(m[g], hmax(sc));
+    corr[g] = std::exp(m[g] - mx);  // exp(-inf) = 0 on the first page
+    const v16 e = exp16(sc - mx);
+    uint16_t* pb = reinterpret_cast<uint16_t*>(p2[g]);
+#if defined(__AVX512BF16__)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh((__m512)e));
+#else
+    for (int k = 0; k < 16; ++k) pb[k] = f32_to_bf16(e[k]);
+#endif
+    l[g] = l[g] * corr[g] + hsum(load16(pb));  // the sum of the probabilities as used
+    m[g] = mx;
+  }
+  const int64_t pairs = (valid + 1) / 2;
+  for (int64_t c = 0; c < DC; ++c) {
+    v16 a0[G], a1[G];
+    for (int g = 0; g < G; ++g) {
+      a0[g] = load16(acc + g * D + 32 * c) * corr[g];
+      a1[g] = load16(acc + g * D + 32 * c + 16) * corr[g];
+    }
+    for (int64_t j = 0; j < pairs; ++j) {
+      u32x16 lo, hi;
+      interleave_rows(vpage + 2 * j * D + 32 * c, vpage + (2 * j + 1) * D + 32 * c, lo, hi);
+      for (int g = 0; g < G; ++g) {
+        const u32x16 pj = u32x16{} + p2[g][j];
+        a0[g] = dp16(a0[g], pj, lo);
+        a1[g] = dp16(a1[g], pj, hi);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      std::memcpy(acc + g * D + 32 * c, &a0[g], sizeof(v16));
+      std::memcpy(acc + g * D + 32 * c + 16, &a1[g], sizeof(v16));
+    }
+  }
+}
+
 // All query heads of a kv head (in groups of kMaxG) against one page; a bf16 page is widened
 // to float32 once (`wide`, 2 x 16 x D floats) rather than once per head.
 template <typename C>
 inline void page_update16_heads(const float* q, const C* kpage, const C* vpage, int64_t valid,
                                 int64_t G, int64_t D, float scale, float* m, float* l,
-                                float* acc, float* wide) {
+                                float* acc, float* wide, const uint32_t* q2 = nullptr) {
   if constexpr (!std::is_same<C, float>::value) {
+    if (q2 != nullptr) {  // bf16 pair products (D % 32 == 0)
+      for (int64_t g0 = 0; g0 < G; g0 += kMaxG) {
+        const uint32_t* qg = q2 + g0 * (D / 2);
+        float *mg = m + g0, *lg = l + g0, *ag = acc + g0 * D;
+        switch (std::min<int64_t>(kMaxG, G - g0)) {
+#define SJ_G(n) \
+  case n: page_update16_bf16<n>(qg, kpage, vpage, valid, D, scale, mg, lg, ag); break;
+          SJ_G(1) SJ_G(2) SJ_G(3) SJ_G(4) SJ_G(5) SJ_G(6) SJ_G(7) SJ_G(8)
+#undef SJ_G
+        }
+      }
+      return;
+    }
     for (int64_t i = 0; i < 16 * D; i += 16) {
       const v16 kw = load16(kpage + i), vw = load16(vpage + i);
       std::memcpy(wide + i, &kw, sizeof(kw));
@@ -465,6 +581,13 @@ void attend_chunk(const float* q, const C* kp, const C* vp, const int32_t* pages
   const bool vec16 = S == 16 && D % 16 == 0;
   std::vector<float> scores(vec16 ? 0 : S);
   std::vector<float> wide(vec16 && !std::is_same<C, float>::value ? 2 * 16 * D + 16 : 0);
+  // bf16 cache, D % 32 == 0: the queries as bf16 pairs for the pair dot products
+  const bool pairs = vec16 && !std::is_same<C, float>::value && D % 32 == 0;
+  std::vector<uint32_t> q2(pairs ? G * D / 2 : 0);
+  if (pairs) {
+    uint16_t* q16 = reinterpret_cast<uint16_t*>(q2.data());
+    for (int64_t i = 0; i < G * D; ++i) q16[i] = f32_to_bf16(q[i]);
+  }
   for (int64_t g = 0; g < G; ++g) {
     m_out[g] = -INFINITY;
     l_out[g] = 0.f;
@@ -485,7 +608,7 @@ void attend_chunk(const float* q, const C* kp, const C* vp, const int32_t* pages
     }
     if (vec16) {
       page_update16_heads<C>(q, kpage, vpage, valid, G, D, scale, m_out, l_out, acc_out,
-                             wide.data());
+                             wide.data(), pairs ? q2.data() : nullptr);
     } else {
       for (int64_t g = 0; g < G; ++g)
         page_update<C>(q + g * D, kpage, vpage, valid, D, scale, m_out[g], l_out[g],
