@@ -167,9 +167,11 @@ class PagedKVCache:
       row = lambda x: jnp.swapaxes(x, 0, 1).astype(self.k[layer].dtype)
       new_k, new_v = cpu_kernels.cache_write_token(self.k[layer], self.v[layer], row(k),
                                                    row(v), dest, off)
-    else:
-      new_k = _scatter_set(self.k[layer], (slice(None), dest, off), jnp.swapaxes(k, 0, 1))
-      new_v = _scatter_set(self.v[layer], (slice(None), dest, off), jnp.swapaxes(v, 0, 1))
+    else:  # in place on GPU / TPU (XLA:CPU widens a bf16 one: the `cpu` backend avoids it)
+      new_k = self.k[layer].at[:, dest, off].set(
+          jnp.swapaxes(k, 0, 1).astype(self.k[layer].dtype), mode="drop")
+      new_v = self.v[layer].at[:, dest, off].set(
+          jnp.swapaxes(v, 0, 1).astype(self.v[layer].dtype), mode="drop")
     lms = self.landmarks[layer]
     if lms:
       filled = active & (off == s - 1)  # [B]
@@ -178,17 +180,21 @@ class PagedKVCache:
       lm = selection.compute_landmarks(keys, nv, self._kind())
       lm = lm if isinstance(lm, tuple) else (lm,)
       lm_dest = jnp.where(filled, phys, oob)
-      lms = tuple(_scatter_set(old, (slice(None), lm_dest), new) for old, new in zip(lms, lm))
+      lms = tuple(old.at[:, lm_dest].set(new.astype(old.dtype), mode="drop")
+                  for old, new in zip(lms, lm))
     return self._with_layer(layer, new_k, new_v, lms)
 
 
 def _scatter_set(buf, index, new):
-  """`buf.at[index].set(new, mode="drop")` in buf's dtype. 16-bit float buffers are written
-  through their bits (uint16): XLA:CPU widens a bfloat16 scatter to float32, converting the
-  whole buffer there and back at every write (two cache-sized passes per layer per decode
-  step); an integer scatter updates it in place. The same values on every platform."""
+  """`buf.at[index].set(new, mode="drop")` in buf's dtype (the prompt's pages). On the CPU
+  platform 16-bit float buffers are written through their bits (uint16): XLA:CPU widens a
+  bfloat16 scatter to float32, converting the whole buffer there and back (a float32 copy of
+  the layer's cache); as uint16 it costs one copy. The same values; other platforms scatter
+  bf16 natively. (The decode step's one-token write stays a plain scatter, which XLA updates
+  in place; the `cpu` backend writes it with `cpu_kernels.cache_write_token`.)"""
   new = new.astype(buf.dtype)
-  if jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize == 2:
+  if (jnp.issubdtype(buf.dtype, jnp.floating) and buf.dtype.itemsize == 2
+      and jax.default_backend() == "cpu"):
     bits = jax.lax.bitcast_convert_type(buf, jnp.uint16).at[index].set(
         jax.lax.bitcast_convert_type(new, jnp.uint16), mode="drop")
     return jax.lax.bitcast_convert_type(bits, buf.dtype)
