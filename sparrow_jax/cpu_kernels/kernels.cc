@@ -530,8 +530,9 @@ inline void page_update16_bf16(const uint32_t* q2, const uint16_t* kpage,
   }
 }
 
-// All query heads of a kv head (in groups of kMaxG) against one page; a bf16 page is widened
-// to float32 once (`wide`, 2 x 16 x D floats) rather than once per head.
+// All query heads of a kv head (in groups of kMaxG) against one page. A bf16 page takes the
+// pair products when `q2` (the queries as bf16 pairs) is given, else it is widened to float32
+// once (`wide`, 2 x 16 x D floats) rather than once per head.
 template <typename C>
 inline void page_update16_heads(const float* q, const C* kpage, const C* vpage, int64_t valid,
                                 int64_t G, int64_t D, float scale, float* m, float* l,
@@ -727,6 +728,42 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 constexpr int kKB = 64;  // keys per block (4 vectors)
 constexpr int kQR = 4;   // query rows per tile (the score loops below are written out for 4)
 
+// A tile's outputs: each row's accumulator over its softmax sum; rows past the length 0.
+inline void finish_rows(const float* acc, const float* l, int64_t rows, int64_t r0,
+                        int64_t len, int64_t D, float* oh, int64_t ldo) {
+  for (int r = 0; r < rows; ++r) {
+    float* orow = oh + (r0 + r) * ldo;
+    if (r0 + r >= len || l[r] == 0.f) {
+      std::fill(orow, orow + D, 0.f);
+      continue;
+    }
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) orow[d] = acc[r * D + d] * inv;
+  }
+}
+
+// Whether q [B, T, H, D] and k / v [B, T, KV, D] fit the causal kernels (D % 64 == 0).
+inline bool causal_shapes_ok(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd) {
+  return qd.size() == 4 && kd.size() == 4 && kd[0] == qd[0] && kd[1] == qd[1] &&
+         kd[3] == qd[3] && qd[2] % kd[2] == 0 && qd[3] % 64 == 0;
+}
+
+// Runs tile(b, h, kv head, first row, length, acc [kQR, D]) for every (row, query head, tile
+// of kQR queries), the longest (last) tiles first.
+template <typename Tile>
+void for_each_tile(ffi::ThreadPool& pool, int64_t B, int64_t T, int64_t H, int64_t G,
+                   int64_t D, const int32_t* lengths, const Tile& tile_fn) {
+  const int64_t tiles = (T + kQR - 1) / kQR;
+  parallel_for(pool, B * H * tiles, [&](int64_t item) {
+    const int64_t tile = tiles - 1 - item / (B * H);
+    const int64_t bh = item % (B * H);
+    const int64_t b = bh / H, h = bh % H;
+    const int64_t len = std::min<int64_t>(T, std::max<int32_t>(0, lengths[b]));
+    std::vector<float> acc(kQR * D);
+    tile_fn(b, h, h / G, tile * kQR, len, acc.data());
+  });
+}
+
 // Rows [r0, r0 + kQR) of one query head (rows >= T are not written). qh: the head's rows,
 // row stride ldq; kt: the kv head's keys transposed [D, Tp] (Tp = T padded to kKB); vh: its
 // values, row stride ldv; out row stride ldo.
@@ -801,15 +838,7 @@ void causal_tile(const float* qh, int64_t ldq, const float* kt, int64_t Tp, cons
         for (int c = 0; c < 4; ++c) std::memcpy(acc + r * D + d0 + c * 16, &o[r][c], 64);
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    float* orow = oh + (r0 + r) * ldo;
-    if (r0 + r >= len || l[r] == 0.f) {
-      std::fill(orow, orow + D, 0.f);
-      continue;
-    }
-    const float inv = 1.f / l[r];
-    for (int64_t d = 0; d < D; ++d) orow[d] = acc[r * D + d] * inv;
-  }
+  finish_rows(acc, l, rows, r0, len, D, oh, ldo);
 }
 
 // q [B, T, H, D], k / v [B, T, KV, D] float32, lengths [B] -> out [B, T, H, D]; D % 64 == 0.
@@ -819,8 +848,7 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            float scale) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[1] ||
-      kd[3] != qd[3] || qd[2] % kd[2] != 0 || qd[3] % 64 != 0)
+  if (!causal_shapes_ok(qd, kd))
     return ffi::Error::InvalidArgument(
         "sj_causal_attention: expected q [B, T, H, D], k/v [B, T, KV, D], D % 64 == 0");
   const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], KV = kd[2], G = H / KV;
@@ -840,17 +868,11 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       for (int64_t d = 0; d < D; ++d) dst[d * Tp + t] = src[d];
     }
   });
-  // Items: (row, query head, tile of kQR queries), the longest (last) tiles first.
-  const int64_t tiles = (T + kQR - 1) / kQR;
-  parallel_for(pool, B * H * tiles, [&](int64_t item) {
-    const int64_t tile = tiles - 1 - item / (B * H);
-    const int64_t bh = item % (B * H);
-    const int64_t b = bh / H, h = bh % H, kvh = h / G;
-    const int64_t len = std::min<int64_t>(T, std::max<int32_t>(0, lp[b]));
-    std::vector<float> acc(kQR * D);
+  for_each_tile(pool, B, T, H, G, D, lp, [&](int64_t b, int64_t h, int64_t kvh, int64_t r0,
+                                              int64_t len, float* acc) {
     causal_tile(qp + (b * T * H + h) * D, H * D, kt.data() + (b * KV + kvh) * D * Tp, Tp,
-                vp + (b * T * KV + kvh) * D, KV * D, op + (b * T * H + h) * D, H * D,
-                tile * kQR, T, len, D, scale, acc.data());
+                vp + (b * T * KV + kvh) * D, KV * D, op + (b * T * H + h) * D, H * D, r0, T,
+                len, D, scale, acc);
   });
   return ffi::Error::Success();
 }
@@ -971,15 +993,7 @@ void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int
         for (int c = 0; c < 4; ++c) std::memcpy(acc + r * D + d0 + c * 16, &o[r][c], 64);
     }
   }
-  for (int r = 0; r < rows; ++r) {
-    float* orow = oh + (r0 + r) * ldo;
-    if (r0 + r >= len || l[r] == 0.f) {
-      std::fill(orow, orow + D, 0.f);
-      continue;
-    }
-    const float inv = 1.f / l[r];
-    for (int64_t d = 0; d < D; ++d) orow[d] = acc[r * D + d] * inv;
-  }
+  finish_rows(acc, l, rows, r0, len, D, oh, ldo);
 }
 
 // q [B, T, H, D] float32 (rounded to bf16 here), k / v [B, T, KV, D] bfloat16, lengths [B]
@@ -990,8 +1004,7 @@ ffi::Error CausalAttentionBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                float scale) {
   auto qd = q.dimensions();
   auto kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || kd[0] != qd[0] || kd[1] != qd[1] ||
-      kd[3] != qd[3] || qd[2] % kd[2] != 0 || qd[3] % 64 != 0)
+  if (!causal_shapes_ok(qd, kd))
     return ffi::Error::InvalidArgument(
         "sj_causal_attention_bf16: expected q [B, T, H, D], k/v [B, T, KV, D], D % 64 == 0");
   const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], KV = kd[2], G = H / KV;
@@ -1043,17 +1056,12 @@ ffi::Error CausalAttentionBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       for (; i < H * D; ++i) d16[i] = f32_to_bf16(src[i]);
     }
   });
-  const int64_t tiles = (T + kQR - 1) / kQR;
-  parallel_for(pool, B * H * tiles, [&](int64_t item) {
-    const int64_t tile = tiles - 1 - item / (B * H);
-    const int64_t bh = item % (B * H);
-    const int64_t b = bh / H, h = bh % H, kvh = h / G;
-    const int64_t len = std::min<int64_t>(T, std::max<int32_t>(0, lp[b]));
-    std::vector<float> acc(kQR * D);
+  for_each_tile(pool, B, T, H, G, D, lp, [&](int64_t b, int64_t h, int64_t kvh, int64_t r0,
+                                              int64_t len, float* acc) {
     causal_tile_bf16(q2.data() + (b * T * H + h) * D2, H * D2,
                      kt.data() + (b * KV + kvh) * D2 * Tp, Tp,
                      vt.data() + (b * KV + kvh) * (Tp / 2) * D, op + (b * T * H + h) * D, H * D,
-                     tile * kQR, T, len, D, scale, acc.data());
+                     r0, T, len, D, scale, acc);
   });
   return ffi::Error::Success();
 }
