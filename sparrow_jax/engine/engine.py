@@ -200,6 +200,7 @@ class GenerationEngine(DeviceSteps):
     self.last_stats: dict[str, float] = {}
     self._prefill_fn = {}
     self._decode_fn = {}
+    self._rope_cache = {}  # padded prefill length -> its (cos, sin) tables (`prefill_rope`)
 
   # --- placement ------------------------------------------------------------------------
   def _place_state(self, state):
@@ -560,7 +561,7 @@ class GenerationEngine(DeviceSteps):
     cache, tok, lp, (tk_ids, tk_lps), rec = fn(
         self.state, cache, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(slot_ids),
         jnp.asarray(page_rows), *(jnp.asarray(x) for x in params), run.budgets,
-        jnp.asarray(prompt_lengths), run.lora, *det,
+        jnp.asarray(prompt_lengths), run.lora, self.prefill_rope(t), *det,
         *((self._packed,) if self._prefill_packed() else ()))
     self._kv = cache
     tok, lp, tk_ids, tk_lps, rec = self._device_get(run, (tok, lp, tk_ids, tk_lps, rec))

@@ -12,12 +12,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparrow_jax.engine.pruning import empty_record, record_detection
 from sparrow_jax.engine.sampling import sample_tokens, topk_logprobs
 from sparrow_jax.models import attention as attn_lib
-from sparrow_jax.models.decoder import rope_tables
+from sparrow_jax.models.decoder import rope_tables, sequence_rope_tables
 from sparrow_jax.models.quality_head import quality_logits
 from sparrow_jax.schedule.schedule import budget_pages, teacher_forced_budgets
 
@@ -29,7 +29,7 @@ class DeviceSteps:
 
   def _prefill_local(self, attention, max_top_k, state, cache, tokens, lengths, slots,
                      page_rows, seeds, temps, top_ps, top_ks, table, prompt_lengths, lora,
-                     det=None, packed=None):
+                     rope, det=None, packed=None):
     """Prefill rows `[n, T]`, sample each one's next token. With `det` (pruning), also the
     detection record of each row's last context token: the one input token of a sequence
     that no decode step takes (for a readmitted sequence, its last generated token)."""
@@ -43,7 +43,7 @@ class DeviceSteps:
                                           prompt_lengths=prompt_lengths, lora=lora,
                                           return_hidden=True,
                                           matmul_dtype=self._prefill_matmul_dtype(),
-                                          packed=packed)
+                                          packed=packed, rope=rope)
     tok, lp = sample_tokens(logits, seeds, lengths, temps, top_ps, top_ks,
                             max_top_k=max_top_k)
     tk = self._topk(logits, temps)
@@ -131,9 +131,21 @@ class DeviceSteps:
                                                                                 init)
     return cache, outs, steps[None], rec, (tok, active, remaining, count)
 
+  def prefill_rope(self, t: int):
+    """(cos, sin) `[t, head_dim]` of positions 0..t-1, replicated on the engine's mesh: an
+    input of the prefill program rather than computed in it (`sequence_rope_tables`), cached
+    per padded length."""
+    if t not in self._rope_cache:
+      mc = self.model_config
+      tables = jax.jit(sequence_rope_tables, static_argnums=(0, 1, 2))(
+          t, mc.head_dim, mc.rope_theta)
+      self._rope_cache[t] = jax.device_put(tables, NamedSharding(self.mesh, P()))
+    return self._rope_cache[t]
+
   def _get_prefill(self, attention, max_top_k: int = 0, with_det: bool = False):
     """The prefill program: args (state, cache, tokens, lengths, slots, page_rows, seeds,
-    temps, top_ps, top_ks, table, prompt_lengths, lora[, det][, packed]): `packed` when
+    temps, top_ps, top_ks, table, prompt_lengths, lora, rope[, det][, packed]): `rope` the
+    (cos, sin) tables of the rows' positions (`prefill_rope`), `packed` when
     `_prefill_packed()`."""
     with_packed = self._prefill_packed()
     key = (attention, max_top_k, with_det, with_packed)
@@ -147,7 +159,7 @@ class DeviceSteps:
           return self._prefill_local(attention, max_top_k, st, ca, *a, packed=packed)
         rows = P(AXIS)
         in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, rows,
-                    P(), rows, P())
+                    P(), rows, P(), P())
         rec_specs = ()
         if with_det:
           in_specs += ((P(), P(), rows, rows),)

@@ -90,6 +90,16 @@ def rope_tables(positions, head_dim: int, theta: float):
   return jnp.cos(emb), jnp.sin(emb)
 
 
+def sequence_rope_tables(t: int, head_dim: int, theta: float):
+  """cos/sin `[T, head_dim]` of positions 0..T-1, for a whole-sequence forward (rows start at
+  position 0). In the same XLA program as the layers, XLA:CPU fuses cos/sin into every q and
+  k rope and evaluates them per head and per layer (it drops optimization barriers before
+  fusion): a 1K-token SmolLM2 prefill spent 2.3 ms per layer there. Callers that can pass
+  them in as a program input (`Decoder.prefill(rope=)`, the engine) avoid that; inside a
+  scan over layers they are a loop invariant, computed once."""
+  return rope_tables(jnp.arange(t, dtype=jnp.int32), head_dim, theta)
+
+
 def apply_rope(x, cos, sin):
   """x `[..., heads, Dh]`, cos/sin `[..., Dh]` broadcast over heads; float32 math."""
   xf = x.astype(jnp.float32)
@@ -186,15 +196,20 @@ class MLP(nnx.Module):
     lora = lora or {}
     x = x.astype(dt)
     f = self.gate_DF.value.shape[1]
-    if packed is not None:  # gate and up in one product
-      gu = _packed(x, packed["gate_up"], 2 * f, dt)
-      g, u = gu[..., :f], gu[..., f:]
+    if (packed is not None and lora.get("gate") is None and lora.get("up") is None
+        and cpu_kernels.swiglu_supported(f)):
+      # gate, up and the SwiGLU in one kernel call (the products stay in its tiles)
+      h = cpu_kernels.packed_swiglu(x, packed["gate_up"], f).astype(dt)
     else:
-      g = _mm("...d,df->...f", x, self.gate_DF.value, dt, matmul_dtype)
-      u = _mm("...d,df->...f", x, self.up_DF.value, dt, matmul_dtype)
-    g = _apply_lora(g, x, lora.get("gate"), "...d,dr->...r", "...r,rf->...f", dt)
-    u = _apply_lora(u, x, lora.get("up"), "...d,dr->...r", "...r,rf->...f", dt)
-    h = jax.nn.silu(g) * u
+      if packed is not None:  # gate and up in one product
+        gu = _packed(x, packed["gate_up"], 2 * f, dt)
+        g, u = gu[..., :f], gu[..., f:]
+      else:
+        g = _mm("...d,df->...f", x, self.gate_DF.value, dt, matmul_dtype)
+        u = _mm("...d,df->...f", x, self.up_DF.value, dt, matmul_dtype)
+      g = _apply_lora(g, x, lora.get("gate"), "...d,dr->...r", "...r,rf->...f", dt)
+      u = _apply_lora(u, x, lora.get("up"), "...d,dr->...r", "...r,rf->...f", dt)
+      h = jax.nn.silu(g) * u
     if packed is not None:
       y = _packed(h, packed["down"], self.down_FD.value.shape[1], dt)
     else:
@@ -274,12 +289,13 @@ class Decoder(nnx.Module):
     if lengths is None:
       lengths = jnp.full((b,), t, jnp.int32)
     x = constrain_batch(self.embed(tokens))
+    rope = sequence_rope_tables(t, self.cfg.head_dim, self.cfg.rope_theta)  # [T, Dh] x2
     for group in self._layer_groups(attention):
 
       def block(layer_state, x, ll, i=group[0], graphdef=nnx.graphdef(self.layers[group[0]])):
         layer = nnx.merge(graphdef, layer_state)
         h = layer.input_norm(x)
-        q, k, v = layer.attn.qkv(h, positions, ll)
+        q, k, v = layer.attn.qkv(h, positions, ll, rope=rope)
         o = attn_lib.full_sequence_attention(
             attention, i, q, k, v, lengths=lengths, budgets=budgets,
             prompt_lengths=prompt_lengths)
@@ -333,7 +349,7 @@ class Decoder(nnx.Module):
   def prefill(self, cache: PagedKVCache, tokens, lengths, slots, page_rows, *,
               attention: attn_lib.AttentionSpec | None = None, budgets=None,
               prompt_lengths=None, lora=None, return_hidden: bool = False,
-              matmul_dtype=None, packed=None):
+              matmul_dtype=None, packed=None, rope=None):
     """Write whole sequences into the cache and return the logits of each one's last token.
 
     Fresh prompts are prefilled with dense attention (as in SGLang/Vortex, only decode is
@@ -360,6 +376,8 @@ class Decoder(nnx.Module):
       packed: `pack_decode_weights(model, bfloat16)`: every projection and the LM head through
         the C++ CPU kernel's bf16 GEMM on these copies (the same products as `matmul_dtype`
         bfloat16; the CPU platform only).
+      rope: optional (cos, sin) `[T, head_dim]` of positions 0..T-1 (`sequence_rope_tables`),
+        passed in as a program input (see there); computed here otherwise.
     Returns:
       (cache, logits float32 `[n, V]`) or (cache, logits, hidden) with `return_hidden`.
     """
@@ -371,11 +389,13 @@ class Decoder(nnx.Module):
     cache = cache.assign_slots(slots, page_rows, lengths)
     x = self.embed(tokens)
     md = matmul_dtype
+    if rope is None:
+      rope = sequence_rope_tables(t, self.cfg.head_dim, self.cfg.rope_theta)  # [T, Dh] x2
     for i, layer in enumerate(self.layers):
       ll = self._layer_lora(lora, i)
       pl = None if packed is None else packed["layers"][i]
       h = layer.input_norm(x)
-      q, k, v = layer.attn.qkv(h, positions, ll, packed=pl, matmul_dtype=md)
+      q, k, v = layer.attn.qkv(h, positions, ll, rope=rope, packed=pl, matmul_dtype=md)
       cache = cache.write_prompt(i, k, v, page_rows, lengths)
       o = attn_lib.full_sequence_attention(attention, i, q, k, v, lengths=lengths,
                                            budgets=budgets, prompt_lengths=prompt_lengths,

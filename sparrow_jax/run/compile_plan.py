@@ -281,7 +281,8 @@ def rollout_phases(cfg: TrainConfig, mesh, plan, *,
     nr = d * rows
     args = (eng.state, eng.abstract_cache(1), vec(nr, jnp.int32, t), vec(nr, jnp.int32),
             vec(nr, jnp.int32), vec(nr, jnp.int32, t // ecfg.page_size), *params(nr)[1:], table,
-            vec(nr, jnp.int32), None)
+            vec(nr, jnp.int32), None,
+            (jax.ShapeDtypeStruct((t, mcfg.head_dim), jnp.float32, sharding=rep),) * 2)
     return run(name, fn, args, f"{rows}x{t}")
 
   cap = width * ecfg.page_size

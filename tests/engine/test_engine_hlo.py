@@ -172,3 +172,33 @@ ENTRY %main (a: f32[2,4099,16,32]) -> f32[2,4099,16,32] {
 """
   bad = pool_sized_ops(hlo, POOL)
   assert len(bad) == 3 and any("slice(" in b for b in bad) and any("copy(" in b for b in bad)
+
+
+def test_prefill_program_takes_rope_tables_as_input():
+  """The prefill's RoPE tables are a program input (`DeviceSteps.prefill_rope`): computed in
+  the program, XLA:CPU fused cos/sin into every layer's q and k rope and evaluated them per
+  head and per layer. The compiled prefill computes no cosine or sine, and its rows match a
+  prefill that computes the tables itself."""
+  cfg = get_config("tiny", eos_token_ids=(), num_layers=3)
+  model = init_model(cfg)
+  eng = GenerationEngine(model, EngineConfig(num_slots=2, max_seq_len=64, decode_chunk=4))
+  out = eng.generate([Request(list(range(3, 40)), SamplingParams(temperature=0.0,
+                                                                   max_new_tokens=3))])
+  n, t = 2, 64
+  rope = eng.prefill_rope(t)
+  assert rope[0].shape == (t, cfg.head_dim) and t in eng._rope_cache
+  cache = eng._pool().replace(page_table=eng._zero_table())
+  rows = lambda dt=jnp.int32, *tail: jnp.zeros((n, *tail), dt)
+  args = (eng.state, cache, rows(jnp.int32, t), jnp.full((n,), 37, jnp.int32),
+          jnp.arange(n, dtype=jnp.int32), rows(jnp.int32, t // 16), rows(jnp.uint32, 2),
+          rows(jnp.float32), jnp.ones((n,)), rows(jnp.int32), eng._table(),
+          jnp.full((n,), 37, jnp.int32), None, rope)
+  hlo = eng._get_prefill(eng.attention).lower(*args).compile().as_text()
+  ops = set(re.findall(r"\s(cosine|sine)\(", hlo))
+  assert ops == set(), ops
+  # the engine's tokens (tables as input) are those of the model's own forward
+  toks = list(range(3, 40))
+  for _ in range(3):
+    logits = model(jnp.asarray([toks]))[0, -1]
+    toks.append(int(jnp.argmax(logits)))
+  assert list(out[0].token_ids) == toks[37:]
