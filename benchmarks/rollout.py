@@ -81,12 +81,13 @@ def _model_config(name: str):
 
 
 def _engines(model, sparse_att, schedule, *, batch: int, max_len: int, pool_tokens: int,
-             chunk: int, page_size: int):
+             chunk: int, page_size: int, cpu_decode_weights=None, cache_dtype=None):
   from sparrow_jax.engine.engine import EngineConfig, GenerationEngine
   from sparrow_jax.models import attention as attn_lib
 
   cfg = EngineConfig(num_slots=batch, max_seq_len=max_len, page_size=page_size,
-                     num_pages=pool_tokens // page_size + 1, decode_chunk=chunk)
+                     num_pages=pool_tokens // page_size + 1, decode_chunk=chunk,
+                     cpu_decode_weights=cpu_decode_weights, cache_dtype=cache_dtype)
   sparse = GenerationEngine(model, cfg, attention=sparse_att, schedule=schedule)
   dense = GenerationEngine(model, cfg, attention=attn_lib.Dense(backend=sparse_att.backend))
   return dense, sparse
@@ -152,8 +153,10 @@ def time_contexts(pairs, steps: int, repeats: int) -> dict[int, dict[str, float]
 
 
 def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool,
-                   itemsize: int = 4) -> float:
-  """Bytes a decode step must read: weights + KV (and landmarks) of every layer."""
+                   itemsize: int = 4, kv_itemsize: int | None = None,
+                   landmark_itemsize: int = 4) -> float:
+  """Bytes a decode step must read: weights (`itemsize` each) + KV (`kv_itemsize`, the
+  weights' by default) and landmarks (`landmark_itemsize`) of every layer."""
   from sparrow_jax.schedule.schedule import pages_read
 
   mc = model_cfg
@@ -161,7 +164,7 @@ def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool
   per_layer = d * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + \
       mc.num_heads * mc.head_dim * d + 3 * d * f
   weights = (mc.num_layers * per_layer + v * d) * itemsize  # embedding read by the LM head
-  kv_tok = 2 * mc.num_kv_heads * mc.head_dim * itemsize  # K and V of one token, one layer
+  kv_tok = 2 * mc.num_kv_heads * mc.head_dim * (kv_itemsize or itemsize)  # K+V, token, layer
   s = schedule.page_size
   pages = -(-context // s)
   total = 0.0
@@ -170,7 +173,8 @@ def bytes_per_step(model_cfg, schedule, *, batch: int, context: int, dense: bool
       total += batch * context * kv_tok
     else:
       sel = int(pages_read(schedule, context))
-      total += batch * (sel * s * kv_tok + pages * mc.num_kv_heads * mc.head_dim * 4)
+      total += batch * (sel * s * kv_tok
+                        + pages * mc.num_kv_heads * mc.head_dim * landmark_itemsize)
   return weights + total
 
 
@@ -365,6 +369,11 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=8, help="decode steps per timed chunk")
   ap.add_argument("--repeats", type=int, default=5)
   ap.add_argument("--backend", default="auto", help="attention backend (auto/xla/pallas)")
+  ap.add_argument("--cpu-decode-weights", default=None, choices=("float32", "bfloat16"),
+                  help="the engines' C++ CPU kernels' weight copy (EngineConfig."
+                       "cpu_decode_weights; context and pool parts)")
+  ap.add_argument("--cache-dtype", default=None, choices=("float32", "bfloat16"),
+                  help="KV cache dtype (EngineConfig.cache_dtype; the model's by default)")
   ap.add_argument("--prefill-repeats", type=int, default=1, help="timed prefills per context")
   ap.add_argument("--prefill-impls", default="reference,auto",
                   help="whole-sequence attention implementations to time (train_attention)")
@@ -397,7 +406,12 @@ def main(argv=None) -> int:
   sched = constant(args.budget, page_size=args.page_size)
   sparse_att = attn_lib.BlockSparse(max_budget=args.budget, page_size=args.page_size,
                                     dense_layers=sched.dense_layers, backend=args.backend)
-  item = jnp.dtype(mc.dtype).itemsize
+  # What a decode step reads: the weights in the dtype the step multiplies (the C++ kernels'
+  # packed copy where --cpu-decode-weights is given), K/V in the cache dtype.
+  item = jnp.dtype(args.cpu_decode_weights or mc.dtype).itemsize
+  sizes = dict(itemsize=item, kv_itemsize=jnp.dtype(args.cache_dtype or mc.dtype).itemsize,
+               landmark_itemsize=jnp.dtype(sparse_att.landmark_dtype).itemsize)
+  engine_kw = dict(cpu_decode_weights=args.cpu_decode_weights, cache_dtype=args.cache_dtype)
   sparse_layers = [i for i in range(mc.num_layers) if i not in sched.dense_layers]
   if not sparse_layers:
     print(f"error: every layer of {mc.name} is dense under {sched.dense_layers}: nothing "
@@ -408,7 +422,10 @@ def main(argv=None) -> int:
         f"({os.cpu_count()} cpus)  model {mc.name} ({mc.dtype})  sparse: {args.budget} pages "
         f"+ {sched.reserved} reserved of {args.page_size} tokens, layers "
         f"{list(sched.dense_layers)} dense; {args.steps} steps/chunk, median of "
-        f"{args.repeats} chunks")
+        f"{args.repeats} chunks; attention backend {args.backend}, weights "
+        f"{args.cpu_decode_weights or mc.dtype}"
+        f"{' (C++ kernels)' if args.cpu_decode_weights else ''}, cache "
+        f"{args.cache_dtype or mc.dtype}")
   rng = np.random.default_rng(0)
   extra = args.steps * (args.repeats + 2)
 
@@ -446,16 +463,16 @@ def main(argv=None) -> int:
       max_len = ctx + extra + args.page_size
       pool = args.batch * (-(-max_len // args.page_size)) * args.page_size
       dense, sparse = _engines(model, sparse_att, sched, batch=args.batch, max_len=max_len,
-                               pool_tokens=pool, chunk=args.steps, page_size=args.page_size)
+                               pool_tokens=pool, chunk=args.steps, page_size=args.page_size,
+                               **engine_kw)
       prompts = [list(rng.integers(3, mc.vocab_size, ctx)) for _ in range(args.batch)]
       scheds, prefill_s = _fill(dense, sparse, prompts, extra)
       pairs[ctx] = (dense, sparse, scheds, prefill_s)
     all_ms = time_contexts({c: v[:3] for c, v in pairs.items()}, args.steps, args.repeats)
     for ctx in contexts:
       ms, prefill_s = all_ms[ctx], pairs[ctx][3]
-      bd = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=True, itemsize=item)
-      bs = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=False,
-                          itemsize=item)
+      bd = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=True, **sizes)
+      bs = bytes_per_step(mc, sched, batch=args.batch, context=ctx, dense=False, **sizes)
       ratio, bound = ms["dense"] / ms["sparse"], bd / bs
       sparse_ms[ctx] = (ms["sparse"], bs)
       print(f"| {ctx} | {args.batch} | {ms['dense']:.1f} | {ms['sparse']:.1f} | {ratio:.2f}x "
@@ -475,7 +492,8 @@ def main(argv=None) -> int:
     for pool in [int(x) for x in args.pools.split(",")]:
       max_len = ctx + extra + args.page_size
       dense, sparse = _engines(model, sparse_att, sched, batch=b, max_len=max_len,
-                               pool_tokens=pool, chunk=args.steps, page_size=args.page_size)
+                               pool_tokens=pool, chunk=args.steps, page_size=args.page_size,
+                               **engine_kw)
       scheds, _ = _fill(dense, sparse, prompts, extra)
       res[pool] = time_pair(dense, sparse, scheds, args.steps, args.repeats)
       print(f"| {pool} | {res[pool]['dense']:.1f} | {res[pool]['sparse']:.1f} |", flush=True)

@@ -71,6 +71,54 @@ def test_pack_and_matmul_refuse_bad_input():
     ck.packed_matmul(jnp.ones((2, 11)), wb, 70)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("lead,k", [((1,), 96), ((5,), 95), ((203,), 64)], ids=str)
+def test_packed_swiglu_matches_float64(dtype, lead, k):
+  """silu(x @ gate) * (x @ up) from the fused gate|up packing, rows across the register
+  tiles and row blocks, odd K, against float64 on the same (bf16-rounded) operands, and
+  against the MLP it replaces (`packed_matmul` of gate|up, then XLA's silu)."""
+  rng = np.random.default_rng(k + sum(lead))
+  f = 128
+  x = rng.standard_normal((*lead, k)).astype(np.float32)
+  gate, up = (rng.standard_normal((k, f)).astype(np.float32) / np.sqrt(k) for _ in range(2))
+  wp = ck.pack_weight(np.concatenate([gate, up], axis=1), dtype)
+  h = jax.jit(lambda x, wp: ck.packed_swiglu(x, wp, f))(x, wp)
+  bf16 = dtype == "bfloat16"
+  r = _bf16_round if bf16 else (lambda a: a.astype(np.float64))
+  g, u = r(x) @ r(gate), r(x) @ r(up)
+  ref = g / (1.0 + np.exp(-g)) * u
+  assert h.shape == (*lead, f) and h.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(h), ref, rtol=2e-5, atol=2e-6)
+  gu = ck.packed_matmul(x, wp, 2 * f)
+  two_calls = jax.nn.silu(gu[..., :f]) * gu[..., f:]
+  np.testing.assert_allclose(np.asarray(h), np.asarray(two_calls), rtol=2e-5, atol=2e-6)
+
+
+def test_packed_swiglu_refuses_a_width_off_the_panels():
+  assert ck.swiglu_supported(128) and not ck.swiglu_supported(96)
+  wp = ck.pack_weight(np.ones((8, 192), np.float32))  # gate|up of width 96: 3 panels
+  with pytest.raises(ValueError, match="do not match"):
+    ck.packed_swiglu(jnp.ones((2, 8)), wp, 96)
+  wp = ck.pack_weight(np.ones((8, 256), np.float32))
+  with pytest.raises(ValueError, match="do not match"):
+    ck.packed_swiglu(jnp.ones((2, 9)), wp, 128)  # K
+  with pytest.raises(ValueError, match="do not match"):
+    ck.packed_swiglu(jnp.ones((2, 8)), wp, 64)  # 4 panels are gate|up of width 128
+
+
+@pytest.mark.parametrize("f", [128, 96], ids=["kernel", "width-off-panels"])
+def test_mlp_on_packed_weights_matches_xla(f):
+  """The MLP on `pack_decode_weights` copies (float32): the SwiGLU kernel where the width is
+  a multiple of 64, gate|up products then XLA's silu otherwise; both the XLA MLP's output."""
+  from sparrow_jax.models.decoder import pack_decode_weights
+  model = init_model(get_config("tiny", eos_token_ids=(), intermediate_size=f), seed=3)
+  packed = pack_decode_weights(model, jnp.float32)
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 64)), jnp.float32)
+  mlp = model.layers[0].mlp
+  got = mlp(x, packed=packed["layers"][0])
+  np.testing.assert_allclose(np.asarray(got), np.asarray(mlp(x)), rtol=1e-5, atol=1e-5)
+
+
 def _assert_matches(out, ref_of, q, dtype):
   """float32 cache: the reference on the same q within float32 rounding. bfloat16 cache: the
   kernel rounds q and each page's probabilities to bf16 (pair dot products); against the
@@ -294,6 +342,9 @@ w = rng.standard_normal((97, 150)).astype(np.float32)
 r = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
 y = ck.packed_matmul(x, ck.pack_weight(w, "bfloat16"), 150)
 print("MATMUL", float(np.max(np.abs(np.asarray(y) - r(x) @ r(w)))))
+gu = ck.pack_weight(w[:, :128], "bfloat16")
+g, u = r(x) @ r(w[:, :64]), r(x) @ r(w[:, 64:128])
+print("SWIGLU", float(np.max(np.abs(np.asarray(ck.packed_swiglu(x, gu, 64)) - g / (1 + np.exp(-g)) * u))))
 q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((1, 70, 4, 64), (1, 70, 2, 64), (1, 70, 2, 64)))
 out = ck.causal_attention(q, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
 rr = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
@@ -315,8 +366,9 @@ print("DECODE", float(jnp.max(jnp.abs(got - want))))
                        timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
   vals = dict(line.split() for line in out.stdout.splitlines()
-              if line[:6] in ("MATMUL", "CAUSAL", "DECODE"))
+              if line[:6] in ("MATMUL", "SWIGLU", "CAUSAL", "DECODE"))
   assert float(vals["MATMUL"]) < 1e-3, out.stdout
+  assert float(vals["SWIGLU"]) < 1e-3, out.stdout
   assert float(vals["CAUSAL"]) < 1e-2, out.stdout
   assert float(vals["DECODE"]) < 1e-2, out.stdout
   lib = [f for f in os.listdir(tmp_path) if f.endswith(".so")]

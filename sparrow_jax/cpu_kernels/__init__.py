@@ -8,6 +8,9 @@ below the memory's rate (BENCHMARKS.md, issue 22). `kernels.cc` streams both:
   panels of 64 output columns, float32 accumulation: float32 weights (float32 products) or
   bfloat16 ones (x rounded to bf16, AVX512-BF16 pair dot products where the CPU has them: the
   prefill's GEMM as well as the decode step's matrix-vector products).
+* `packed_swiglu(x, w_packed, f)`: the MLP's `silu(x @ gate) * (x @ up)` from the fused
+  gate|up packing, the SwiGLU applied to each register tile (the `[.., 2f]` products never
+  written out).
 * `decode_attention(q, k_pages, v_pages, page_table, lengths[, page_idx, valid])`: one query
   token per slot against a paged cache `[KV, pages, S, D]` (float32 or bfloat16), over all of
   a slot's pages or over each kv head's selected logical pages; the same contract as
@@ -43,7 +46,8 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.cc")
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
           "-ffp-contract=fast", "-fassociative-math", "-fno-signed-zeros",
           "-fno-trapping-math", "-w"]
-_TARGETS = ("sj_packed_matmul_f32", "sj_packed_matmul_bf16", "sj_decode_attention_f32",
+_TARGETS = ("sj_packed_matmul_f32", "sj_packed_matmul_bf16", "sj_packed_swiglu_f32",
+            "sj_packed_swiglu_bf16", "sj_decode_attention_f32",
             "sj_decode_attention_bf16", "sj_causal_attention_f32", "sj_causal_attention_bf16",
             "sj_cache_write_token")
 
@@ -190,6 +194,35 @@ def packed_matmul(x, w_packed, n: int):
   if n != p * PANEL:
     y = y[:, :n]
   return y.reshape(*lead, n)
+
+
+def packed_swiglu(x, w_packed, f: int):
+  """`silu(x @ gate) * (x @ up)` -> float32 `[..., f]` from the fused `pack_weight` of
+  `concatenate([gate, up], axis=1)` (`pack_decode_weights`' "gate_up"), `f` the MLP width, a
+  multiple of 64 (`swiglu_supported`). The products are `packed_matmul`'s (bf16 panels: x
+  rounded to bfloat16, float32 sums); silu in float32 inside the kernel, so the `[..., 2f]`
+  products are never written out."""
+  p, kp, panel = w_packed.shape
+  bf16 = w_packed.dtype == jnp.bfloat16
+  k = x.shape[-1]
+  k_ok = kp == (-(-k // 2) if bf16 else k)
+  if (panel != (2 * PANEL if bf16 else PANEL) or not k_ok or not swiglu_supported(f)
+      or p * PANEL != 2 * f):
+    raise ValueError(f"packed_swiglu: x {x.shape} and packed gate|up weight {w_packed.shape} "
+                     f"{w_packed.dtype} (f={f}) do not match (f a multiple of {PANEL}, "
+                     f"2 f / {PANEL} panels)")
+  require("packed_swiglu")
+  lead = x.shape[:-1]
+  x2 = x.reshape(-1, k).astype(jnp.float32)
+  name = "sj_packed_swiglu_bf16" if bf16 else "sj_packed_swiglu_f32"
+  y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], f), jnp.float32))(x2, w_packed)
+  return y.reshape(*lead, f)
+
+
+def swiglu_supported(f: int) -> bool:
+  """Whether `packed_swiglu` takes an MLP of width `f` (its gate and up panels then split at
+  a panel boundary)."""
+  return f > 0 and f % PANEL == 0
 
 
 # ---- paged decode attention ----------------------------------------------------------------

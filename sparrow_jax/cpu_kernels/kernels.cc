@@ -6,6 +6,8 @@
 //   sj_packed_matmul_{f32,bf16}  y[M, P*NB] = x[M, K] @ W, W packed as [P, K, NB] panels
 //                                (each panel's NB output columns contiguous along K), float32
 //                                accumulation.
+//   sj_packed_swiglu_{f32,bf16}  y[M, F] = silu(x @ gate) * (x @ up) on the fused gate|up
+//                                packing (2 F / NB panels), the products never stored
 //   sj_cache_write_token         one token's K and V per slot into the paged cache, in place
 //   sj_decode_attention_{f32,bf16}_{dense,sparse}
 //                                one query token per slot against a paged cache
@@ -230,10 +232,9 @@ inline void bf16_panel_rows(const uint32_t* a, int64_t lda, const uint16_t* pane
 
 constexpr int64_t kBF16MR = 6;  // rows per register tile (6 x 4 accumulators)
 
-ffi::Error packed_matmul_bf16(ffi::ThreadPool pool, const float* x, const uint16_t* w,
-                              float* y, int64_t M, int64_t K, int64_t K2, int64_t P) {
-  const int64_t ldy = P * kNB;
-  // x rounded to bfloat16 pairs (zero past K).
+// x [M, K] rounded to bfloat16 pairs [M, K2] (zero past K), the operand of bf16_panel_rows.
+std::unique_ptr<uint32_t[]> round_rows_bf16(ffi::ThreadPool& pool, const float* x, int64_t M,
+                                            int64_t K, int64_t K2) {
   std::unique_ptr<uint32_t[]> a(new uint32_t[M * K2]);
   const int64_t row_items = std::max<int64_t>(1, std::min<int64_t>(M, 64));
   parallel_for(pool, row_items, [&](int64_t item) {
@@ -250,26 +251,38 @@ ffi::Error packed_matmul_bf16(ffi::ThreadPool pool, const float* x, const uint16
       if (K % 2) dst[K] = 0;
     }
   });
-  // Items: a block of rows x one panel (the panel's K2 x 128 slab stays in cache across the
-  // block's row tiles, the block's rows across its panels).
-  const int64_t block = 16 * kBF16MR;
-  const int64_t blocks = (M + block - 1) / block;
+  return a;
+}
+
+// One register tile of `rows` (<= kBF16MR) rows of one panel into y (row stride ldy).
+inline void bf16_tile(int64_t rows, const uint32_t* a, int64_t K2, const uint16_t* panel,
+                      float* y, int64_t ldy, int64_t col0) {
+  switch (rows) {
+    case 6: bf16_panel_rows<6>(a, K2, panel, K2, y, ldy, col0); break;
+    case 5: bf16_panel_rows<5>(a, K2, panel, K2, y, ldy, col0); break;
+    case 4: bf16_panel_rows<4>(a, K2, panel, K2, y, ldy, col0); break;
+    case 3: bf16_panel_rows<3>(a, K2, panel, K2, y, ldy, col0); break;
+    case 2: bf16_panel_rows<2>(a, K2, panel, K2, y, ldy, col0); break;
+    default: bf16_panel_rows<1>(a, K2, panel, K2, y, ldy, col0); break;
+  }
+}
+
+// Row blocks of 16 register tiles: an item (a block x one output panel) keeps its weight
+// panel(s) in cache across the block's tiles, and the block's rows across its panels.
+constexpr int64_t kBF16Block = 16 * kBF16MR;
+
+ffi::Error packed_matmul_bf16(ffi::ThreadPool pool, const float* x, const uint16_t* w,
+                              float* y, int64_t M, int64_t K, int64_t K2, int64_t P) {
+  const int64_t ldy = P * kNB;
+  std::unique_ptr<uint32_t[]> a = round_rows_bf16(pool, x, M, K, K2);
+  const int64_t blocks = (M + kBF16Block - 1) / kBF16Block;
   parallel_for(pool, blocks * P, [&](int64_t item) {
     const int64_t rb = item / P, p = item % P;
     const uint16_t* panel = w + p * K2 * 2 * kNB;
-    const int64_t m_end = std::min(M, (rb + 1) * block);
-    for (int64_t m0 = rb * block; m0 < m_end; m0 += kBF16MR) {
-      const uint32_t* ar = a.get() + m0 * K2;
-      float* yr = y + m0 * ldy;
-      switch (std::min<int64_t>(kBF16MR, m_end - m0)) {
-        case 6: bf16_panel_rows<6>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
-        case 5: bf16_panel_rows<5>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
-        case 4: bf16_panel_rows<4>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
-        case 3: bf16_panel_rows<3>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
-        case 2: bf16_panel_rows<2>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
-        default: bf16_panel_rows<1>(ar, K2, panel, K2, yr, ldy, p * kNB); break;
-      }
-    }
+    const int64_t m_end = std::min(M, (rb + 1) * kBF16Block);
+    for (int64_t m0 = rb * kBF16Block; m0 < m_end; m0 += kBF16MR)
+      bf16_tile(std::min<int64_t>(kBF16MR, m_end - m0), a.get() + m0 * K2, K2, panel,
+                y + m0 * ldy, ldy, p * kNB);
   });
   return ffi::Error::Success();
 }
@@ -287,9 +300,12 @@ ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // exp of 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (relative
-// error ~2e-7); inputs below -87 (masked scores) give ~0.
+// error ~2e-7); inputs below -86 (masked scores, -inf) give exactly 0, never a denormal:
+// arithmetic on a denormal operand costs a microcode assist of ~100 cycles per instruction
+// (a SwiGLU tile whose gate is large and positive ran 2.3x slower on exp(-g)'s denormals).
 inline v16 exp16(v16 x) {
-  const v16 lo = v16{} - 87.0f, hi = v16{} + 88.0f;
+  const v16 lo = v16{} - 86.0f, hi = v16{} + 88.0f;
+  const v16 x_in = x;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   v16 n = x * 1.44269504088896341f;
@@ -310,7 +326,7 @@ inline v16 exp16(v16 x) {
   bits += ni << 23;
   v16 out;
   std::memcpy(&out, &bits, sizeof(out));
-  return out;
+  return x_in < lo ? v16{} : out;
 }
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -328,6 +344,91 @@ inline float hsum(v16 a) {
           __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
   v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
   return (s4[0] + s4[1]) + (s4[2] + s4[3]);
+}
+
+// ---- SwiGLU on the fused gate|up packing ------------------------------------------------------
+//
+// W = [gate | up] packed as 2 * P2 panels (gate's in [0, P2), up's in [P2, 2 P2); the MLP's
+// width F = 64 P2). y [M, F] = silu(x @ gate) * (x @ up): each register tile's gate and up
+// products land in a scratch tile in L1 and only their SwiGLU is written, so the [M, 2F]
+// products never reach memory (nor does a separate elementwise pass read them back).
+
+// y[r, :64] = silu(g[r]) * u[r] for `rows` rows of 64 (g, u row stride kNB). Not inlined:
+// inlined into the tile loop, the compiler keeps exp's constants in vector registers across
+// it and the GEMM's 24 accumulators spill (the SwiGLU GEMM ran 2.3x slower).
+__attribute__((noinline)) void swiglu_rows(const float* g, const float* u, int64_t rows, float* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < kNB; c += 16) {
+      const v16 gv = load16(g + r * kNB + c), uv = load16(u + r * kNB + c);
+      const v16 out = gv / (1.0f + exp16(-gv)) * uv;
+      std::memcpy(y + r * ldy + c, &out, sizeof(out));
+    }
+}
+
+ffi::Error packed_swiglu_bf16(ffi::ThreadPool pool, const float* x, const uint16_t* w,
+                              float* y, int64_t M, int64_t K, int64_t K2, int64_t P2) {
+  const int64_t ldy = P2 * kNB;
+  std::unique_ptr<uint32_t[]> a = round_rows_bf16(pool, x, M, K, K2);
+  const int64_t blocks = (M + kBF16Block - 1) / kBF16Block;
+  parallel_for(pool, blocks * P2, [&](int64_t item) {
+    const int64_t rb = item / P2, p = item % P2;
+    const uint16_t* gate = w + p * K2 * 2 * kNB;
+    const uint16_t* up = w + (P2 + p) * K2 * 2 * kNB;
+    alignas(64) float g[kBF16MR * kNB], u[kBF16MR * kNB];
+    const int64_t m_end = std::min(M, (rb + 1) * kBF16Block);
+    for (int64_t m0 = rb * kBF16Block; m0 < m_end; m0 += kBF16MR) {
+      const int64_t rows = std::min<int64_t>(kBF16MR, m_end - m0);
+      bf16_tile(rows, a.get() + m0 * K2, K2, gate, g, kNB, 0);
+      bf16_tile(rows, a.get() + m0 * K2, K2, up, u, kNB, 0);
+      swiglu_rows(g, u, rows, y + m0 * ldy + p * kNB, ldy);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error packed_swiglu_f32(ffi::ThreadPool pool, const float* x, const float* w, float* y,
+                             int64_t M, int64_t K, int64_t P2) {
+  const int64_t ldy = P2 * kNB;
+  constexpr int64_t kMT = 4;
+  const int64_t mtiles = (M + kMT - 1) / kMT;
+  parallel_for(pool, P2 * mtiles, [&](int64_t item) {
+    const int64_t p = item / mtiles, m0 = (item % mtiles) * kMT;
+    const int64_t rows = std::min<int64_t>(kMT, M - m0);
+    alignas(64) float g[kMT * kNB], u[kMT * kNB];
+    for (int half = 0; half < 2; ++half) {
+      const float* panel = w + (half * P2 + p) * K * kNB;
+      float* dst = half ? u : g;
+      switch (rows) {  // panel_rows reads x rows m0.. and writes dst rows 0..
+        case 4: panel_rows<float, 4>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
+        case 3: panel_rows<float, 3>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
+        case 2: panel_rows<float, 2>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
+        default: panel_rows<float, 1>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
+      }
+    }
+    swiglu_rows(g, u, rows, y + m0 * ldy + p * kNB, ldy);
+  });
+  return ffi::Error::Success();
+}
+
+// x [M, K] float32, w [2 P2, K, 64] float32 or [2 P2, ceil(K / 2), 128] bfloat16 -> y [M, 64 P2].
+template <ffi::DataType T>
+ffi::Error PackedSwiglu(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  constexpr bool bf16 = T == ffi::BF16;
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[0] % 2 != 0 ||
+      wd[2] != (bf16 ? 2 * kNB : kNB) || wd[1] != (bf16 ? (xd[1] + 1) / 2 : xd[1]))
+    return ffi::Error::InvalidArgument(
+        "sj_packed_swiglu: expected x [M, K], w [2 P2, K, 64] (float32) or "
+        "[2 P2, ceil(K / 2), 128] (bfloat16)");
+  if constexpr (bf16)
+    return packed_swiglu_bf16(pool, x.typed_data(),
+                              reinterpret_cast<const uint16_t*>(w.typed_data()),
+                              y->typed_data(), xd[0], xd[1], wd[1], wd[0] / 2);
+  else
+    return packed_swiglu_f32(pool, x.typed_data(), w.typed_data(), y->typed_data(), xd[0],
+                             xd[1], wd[0] / 2);
 }
 
 // ---- paged decode attention ----------------------------------------------------------------
@@ -765,8 +866,10 @@ void for_each_tile(ffi::ThreadPool& pool, int64_t B, int64_t T, int64_t H, int64
 }
 
 // Rows [r0, r0 + kQR) of one query head (rows >= T are not written). qh: the head's rows,
-// row stride ldq; kt: the kv head's keys transposed [D, Tp] (Tp = T padded to kKB); vh: its
-// values, row stride ldv; out row stride ldo.
+// row stride ldq; kt: the kv head's keys transposed in blocks of kKB keys [Tp / kKB][D][kKB]
+// (Tp = T padded to kKB; a block contiguous: its D rows 256 bytes apart, where rows Tp apart
+// (4 KB at T = 1024) share L1 sets and evict each other); vh: its values, row stride ldv;
+// out row stride ldo.
 void causal_tile(const float* qh, int64_t ldq, const float* kt, int64_t Tp, const float* vh,
                  int64_t ldv, float* oh, int64_t ldo, int64_t r0, int64_t T, int64_t len,
                  int64_t D, float scale, float* acc /* [kQR, D] */) {
@@ -780,7 +883,7 @@ void causal_tile(const float* qh, int64_t ldq, const float* kt, int64_t Tp, cons
     for (int r = 0; r < kQR; ++r)
       for (int c = 0; c < 4; ++c) s[r][c] = v16{};
     for (int64_t d = 0; d < D; ++d) {
-      const float* kr = kt + d * Tp + j0;
+      const float* kr = kt + j0 * D + d * kKB;
       v16 k0 = load16(kr), k1 = load16(kr + 16), k2 = load16(kr + 32), k3 = load16(kr + 48);
       for (int r = 0; r < kQR; ++r) {
         const float qv = r < rows ? qh[(r0 + r) * ldq + d] : 0.f;
@@ -858,14 +961,16 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const float* vp = v.typed_data();
   const int32_t* lp = lengths.typed_data();
   float* op = out->typed_data();
-  // Keys transposed per (row, kv head): [B, KV, D, Tp], zero past T.
+  // Keys transposed per (row, kv head) in blocks of kKB keys: [B, KV, Tp / kKB, D, kKB],
+  // zero past T.
   std::vector<float> kt(B * KV * D * Tp, 0.f);
   parallel_for(pool, B * KV, [&](int64_t bh) {
     const int64_t b = bh / KV, h = bh % KV;
     float* dst = kt.data() + bh * D * Tp;
     for (int64_t t = 0; t < T; ++t) {
       const float* src = kp + ((b * T + t) * KV + h) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d * Tp + t] = src[d];
+      float* blk = dst + (t / kKB) * D * kKB + t % kKB;
+      for (int64_t d = 0; d < D; ++d) blk[d * kKB] = src[d];
     }
   });
   for_each_tile(pool, B, T, H, G, D, lp, [&](int64_t b, int64_t h, int64_t kvh, int64_t r0,
@@ -906,8 +1011,8 @@ inline v16 dot2(v16 acc, uint32_t a, const uint32_t* w) {
 }
 
 // Rows [r0, r0 + kQR) of one query head. q2: the head's rows as bf16 pairs [T][D / 2] (row
-// stride ldq2); kt2: keys as pairs transposed [D / 2][Tp]; v2: values paired over keys
-// [Tp / 2][D] (zero past T).
+// stride ldq2); kt2: keys as pairs transposed in blocks of kKB keys [Tp / kKB][D / 2][kKB]
+// (as causal_tile's); v2: values paired over keys [Tp / 2][D] (zero past T).
 void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t Tp,
                       const uint32_t* v2, float* oh, int64_t ldo, int64_t r0, int64_t T,
                       int64_t len, int64_t D, float scale, float* acc /* [kQR, D] */) {
@@ -928,7 +1033,7 @@ void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int
       v16 t0 = {}, t1 = {}, t2 = {}, t3 = {}, t4 = {}, t5 = {}, t6 = {}, t7 = {};
       v16 t8 = {}, t9 = {}, t10 = {}, t11 = {}, t12 = {}, t13 = {}, t14 = {}, t15 = {};
       for (int64_t dp = 0; dp < D2; ++dp) {
-        const uint32_t* kr = kt2 + dp * Tp + j0;
+        const uint32_t* kr = kt2 + j0 * D2 + dp * kKB;
         const uint32_t a0 = qr[0][dp], a1 = qr[1][dp], a2 = qr[2][dp], a3 = qr[3][dp];
         t0 = dot2(t0, a0, kr), t1 = dot2(t1, a0, kr + 16), t2 = dot2(t2, a0, kr + 32);
         t3 = dot2(t3, a0, kr + 48), t4 = dot2(t4, a1, kr), t5 = dot2(t5, a1, kr + 16);
@@ -1015,23 +1120,23 @@ ffi::Error CausalAttentionBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const uint16_t* vp = reinterpret_cast<const uint16_t*>(v.typed_data());
   const int32_t* lp = lengths.typed_data();
   float* op = out->typed_data();
-  // Per (row, kv head): keys as pairs transposed [D2, Tp], values paired over keys [Tp/2, D];
-  // queries as pairs [B, T, H, D2]. Zero past T.
+  // Per (row, kv head): keys as pairs transposed in blocks of kKB keys [Tp / kKB, D2, kKB],
+  // values paired over keys [Tp/2, D]; queries as pairs [B, T, H, D2]. Zero past T.
   std::vector<uint32_t> kt(B * KV * D2 * Tp, 0u), vt(B * KV * (Tp / 2) * D, 0u);
   std::vector<uint32_t> q2(B * T * H * D2);
   parallel_for(pool, B * KV, [&](int64_t bh) {
     const int64_t b = bh / KV, h = bh % KV;
     uint32_t* kdst = kt.data() + bh * D2 * Tp;
     uint32_t* vdst = vt.data() + bh * (Tp / 2) * D;
-    // keys in blocks of 64 tokens, so that each d pair's row segment is written contiguously
     for (int64_t t0 = 0; t0 < T; t0 += kKB) {
       const int64_t t1 = std::min<int64_t>(T, t0 + kKB);
+      uint32_t* blk = kdst + t0 * D2;  // block t0 / kKB: [D2][kKB]
       for (int64_t dp = 0; dp < D2; ++dp) {
-        uint32_t* row = kdst + dp * Tp;
+        uint32_t* row = blk + dp * kKB;
         for (int64_t t = t0; t < t1; ++t) {
           uint32_t pair;
           std::memcpy(&pair, kp + ((b * T + t) * KV + h) * D + 2 * dp, 4);
-          row[t] = pair;
+          row[t - t0] = pair;
         }
       }
     }
@@ -1119,6 +1224,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_matmul_f32, PackedMatmulF32,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_matmul_bf16, PackedMatmulBF16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_swiglu_f32, PackedSwiglu<ffi::F32>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_swiglu_bf16, PackedSwiglu<ffi::BF16>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
