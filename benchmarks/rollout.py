@@ -5,6 +5,8 @@
     python benchmarks/rollout.py --part pool --pools 4096,16384,65536
     python benchmarks/rollout.py --model-path SmolLM2-135M-Instruct.Q4_1.gguf   # real weights
     python benchmarks/rollout.py --config qwen3_6l --part context --contexts 1024,4096 --batch 2
+    python benchmarks/rollout.py --config qwen3_6l --part context --contexts 1024,4096 --batch 2 \
+        --backend cpu --cpu-decode-weights bfloat16 --cache-dtype bfloat16   # the C++ kernels
     python benchmarks/rollout.py --part prefill --contexts 8064 --batch 4  # prefill alone
     python benchmarks/rollout.py --vs-transformers      # engine vs transformers' generate
     python benchmarks/rollout.py --vs-transformers --vt-dtypes float32,bfloat16
@@ -15,8 +17,9 @@ Three parts and a comparison:
   (distinct prompts, no shared pages), then decode chunks timed. Beside every measured ratio
   the script prints the bound from bytes read per step: weights + the KV each layer reads
   (dense layers: every token held; sparse layers: reserved + budget pages plus the landmarks
-  of every page held). Decode on this hardware is memory-bound, so the bytes ratio is what
-  sparse attention can buy at best.
+  of every page held), weights counted in the dtype the step multiplies (`--cpu-decode-weights`)
+  and K/V in the cache's (`--cache-dtype`). Decode on this hardware is memory-bound, so the
+  bytes ratio is what sparse attention can buy at best.
 * `pool`: one sequence at a fixed context (`--pool-context`) in pools of `--pools` tokens: a
   decode step must cost what attention reads, not what the pool holds.
 * `prefill`: the model's prefill of `--batch` distinct prompts of each context (padded to the

@@ -36,6 +36,16 @@ def test_rollout_bytes_bound_counts_what_each_layer_reads():
   # A context within budget + reserved pages reads everything: no gain is possible there.
   small = bench.bytes_per_step(mc, sched, batch=2, context=256, dense=False)
   assert small > bench.bytes_per_step(mc, sched, batch=2, context=256, dense=True)
+  # bf16 weights (the C++ kernels' copy) over a float32 cache: the weights' bytes halve, the
+  # K/V and landmark bytes stay; a bf16 cache halves the K/V but not the float32 landmarks.
+  params = (dense - 30 * 2 * 8192 * kv_tok) / 4
+  bf16_w = bench.bytes_per_step(mc, sched, batch=2, context=8192, dense=True, itemsize=2,
+                                kv_itemsize=4)
+  assert bf16_w == dense - 2 * params
+  both = [bench.bytes_per_step(mc, sched, batch=2, context=8192, dense=d, itemsize=2,
+                               kv_itemsize=2) for d in (True, False)]
+  assert both[0] - both[1] == 28 * 2 * (8192 * kv_tok // 2 - 19 * 16 * kv_tok // 2
+                                        - 512 * mc.num_kv_heads * mc.head_dim * 4)
 
 
 def test_vs_transformers_refuses_an_unknown_dtype(capsys):
