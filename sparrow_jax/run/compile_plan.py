@@ -244,7 +244,7 @@ def rollout_phases(cfg: TrainConfig, mesh, plan, *,
   ecfg = EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len, page_size=cfg.page_size,
                       decode_chunk=cfg.decode_chunk, logprobs_topk=cfg.monitor_topk,
                       max_prefill_tokens=cfg.max_prefill_tokens,
-                      num_pages=plan.kv_pool_pages)
+                      num_pages=plan.kv_pool_pages, cache_dtype=cfg.kv_cache_dtype or None)
   eng = _AbstractEngine(model, ecfg, attention=attention,
                         schedule=None if schedule.is_dense else schedule, mesh=mesh)
   d, b = eng.num_shards, ecfg.num_slots

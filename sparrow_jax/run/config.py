@@ -65,6 +65,10 @@ class TrainConfig:
   # (sparrow_jax.cpu_kernels) on a packed copy of the weights in this dtype: float32 (same
   # products) | bfloat16 (half the bytes per step, rounded weights); "" = XLA's products.
   cpu_decode_weights: str = ""
+  # The rollout engine's KV cache dtype (vLLM's kv_cache_dtype): "" = the model's compute
+  # dtype | float32 | bfloat16 (a float32 model's rollouts over a bf16 cache: half the pool's
+  # bytes per token, K/V rounded; the memory plan and the compile report size it so).
+  kv_cache_dtype: str = ""
   # How a decode step scores pages: auto (the Triton page-score kernel with the Triton
   # backends, XLA otherwise) | xla (always XLA's gather and scores).
   page_scorer: str = "auto"
@@ -278,6 +282,7 @@ class TrainConfig:
                "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
                                      "pallas_tpu_interpret", "cpu"),
                "cpu_decode_weights": ("", "float32", "bfloat16"),
+               "kv_cache_dtype": ("", "float32", "bfloat16"),
                "page_scorer": ("auto", "xla")}
     for f, ok in choices.items():
       if getattr(self, f) not in ok:

@@ -87,7 +87,7 @@ def plan_for_model(cfg: TrainConfig, mcfg, num_devices: int, *,
       lora_targets=targets, reference_model=cfg.kl_coef > 0, remat=cfg.remat,
       logits_chunk=cfg.logprob_chunk,
       landmark="none" if cfg.schedule == "dense" else cfg.landmark,
-      landmark_dtype=cfg.landmark_dtype,
+      landmark_dtype=cfg.landmark_dtype, cache_dtype=cfg.kv_cache_dtype or None,
       device_bytes=(device_bytes if device_bytes is not None else
                     cfg.device_memory_gb * 1e9 or device_memory_bytes()[0]),
       kv_cache_bytes=(int(cfg.kv_cache_gb * 1e9) if cfg.kv_cache_gb and kv_pool_pages is None

@@ -168,7 +168,8 @@ class Trainer:
                             max_prefill_tokens=cfg.max_prefill_tokens,
                             logprobs_topk=cfg.monitor_topk,
                             kv_cache_bytes=self.memory_plan.kv_cache_bytes,
-                            cpu_decode_weights=cfg.cpu_decode_weights or None),
+                            cpu_decode_weights=cfg.cpu_decode_weights or None,
+                            cache_dtype=cfg.kv_cache_dtype or None),
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
         mesh=self._rollout_mesh())
     self.tx, self.lr_schedule = make_optimizer(cfg)

@@ -220,3 +220,26 @@ def test_a_run_that_cannot_fit_this_machine_is_refused_before_the_model_loads(tm
                  "host RAM available", "--dry-run"):
     assert needle in msg, (needle, msg)
   assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_kv_cache_dtype_reaches_the_engine_and_the_memory_plan(tmp_path):
+  """`kv_cache_dtype=bfloat16` on a float32 model, with the CPU's fastest rollout setup (C++
+  kernels, bf16 decode weights): the rollout engine's pool is bf16, the memory plan prices a
+  page at half the K/V bytes (landmarks stay float32), a step trains on the rollouts; a dtype
+  the cache cannot hold is refused by name."""
+  import jax.numpy as jnp
+  from sparrow_jax.run.dry_run import plan_for_model
+  tr = Trainer(_cfg(tmp_path / "b", "num_steps=1", "kv_cache_dtype=bfloat16",
+                    "attention_backend=cpu", "cpu_decode_weights=bfloat16"), quiet=True)
+  assert all(k.dtype == jnp.bfloat16 for k in tr.engine._kv.k + tr.engine._kv.v)
+  mc = tr.model_cfg
+  assert mc.dtype == "float32"
+  plan = lambda cfg: plan_for_model(cfg, mc, 1, device_bytes=24e9).kv_bytes_per_page
+  assert tr.memory_plan.kv_bytes_per_page == plan(tr.cfg)
+  kv_page = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * tr.cfg.page_size
+  assert plan(_cfg(tmp_path / "a")) - plan(tr.cfg) == kv_page * 2  # float32 K/V -> bf16
+  tr.fit()
+  rec = read_jsonl(str(tmp_path / "b" / "metrics.jsonl"))[1]
+  assert rec["rollout/tokens"] > 0 and np.isfinite(rec["loss/total"]), rec
+  with pytest.raises(ValueError, match="kv_cache_dtype='float16'"):
+    _cfg(tmp_path / "c", "kv_cache_dtype=float16")
