@@ -300,9 +300,8 @@ ffi::Error PackedMatmulBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 // exp of 16 floats: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial (relative
-// error ~2e-7); inputs below -86 (masked scores, -inf) give exactly 0, never a denormal:
-// arithmetic on a denormal operand costs a microcode assist of ~100 cycles per instruction
-// (a SwiGLU tile whose gate is large and positive ran 2.3x slower on exp(-g)'s denormals).
+// error ~2e-7); inputs below -86 (masked scores, -inf) give exactly 0, never a denormal
+// (arithmetic on a denormal operand can cost a microcode assist per instruction).
 inline v16 exp16(v16 x) {
   const v16 lo = v16{} - 86.0f, hi = v16{} + 88.0f;
   const v16 x_in = x;
@@ -356,7 +355,8 @@ inline float hsum(v16 a) {
 // y[r, :64] = silu(g[r]) * u[r] for `rows` rows of 64 (g, u row stride kNB). Not inlined:
 // inlined into the tile loop, the compiler keeps exp's constants in vector registers across
 // it and the GEMM's 24 accumulators spill (the SwiGLU GEMM ran 2.3x slower).
-__attribute__((noinline)) void swiglu_rows(const float* g, const float* u, int64_t rows, float* y, int64_t ldy) {
+__attribute__((noinline)) void swiglu_rows(const float* g, const float* u, int64_t rows,
+                                           float* y, int64_t ldy) {
   for (int64_t r = 0; r < rows; ++r)
     for (int c = 0; c < kNB; c += 16) {
       const v16 gv = load16(g + r * kNB + c), uv = load16(u + r * kNB + c);
@@ -867,9 +867,9 @@ void for_each_tile(ffi::ThreadPool& pool, int64_t B, int64_t T, int64_t H, int64
 
 // Rows [r0, r0 + kQR) of one query head (rows >= T are not written). qh: the head's rows,
 // row stride ldq; kt: the kv head's keys transposed in blocks of kKB keys [Tp / kKB][D][kKB]
-// (Tp = T padded to kKB; a block contiguous: its D rows 256 bytes apart, where rows Tp apart
-// (4 KB at T = 1024) share L1 sets and evict each other); vh: its values, row stride ldv;
-// out row stride ldo.
+// (Tp = T padded to kKB; a block contiguous: its D rows 256 bytes apart rather than Tp, 4 KB
+// at T = 1024, which maps them to the same L1 sets); vh: its values, row stride ldv; out row
+// stride ldo.
 void causal_tile(const float* qh, int64_t ldq, const float* kt, int64_t Tp, const float* vh,
                  int64_t ldv, float* oh, int64_t ldo, int64_t r0, int64_t T, int64_t len,
                  int64_t D, float scale, float* acc /* [kQR, D] */) {
