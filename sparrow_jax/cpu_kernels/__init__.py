@@ -174,20 +174,26 @@ def pack_weight(w, dtype=None):
   return jnp.transpose(w.reshape(k, p, PANEL), (1, 0, 2))
 
 
+def _packed_operands(x, w_packed):
+  """(panels, bf16, whether `x [..., K]` and the `pack_weight` panels fit each other)."""
+  p, kp, panel = w_packed.shape
+  bf16 = w_packed.dtype == jnp.bfloat16
+  k = x.shape[-1]
+  fits = panel == (2 * PANEL if bf16 else PANEL) and kp == (-(-k // 2) if bf16 else k)
+  return p, bf16, fits
+
+
 def packed_matmul(x, w_packed, n: int):
   """`x [..., K]` times a `pack_weight` weight -> float32 `[..., n]`. float32 panels: float32
   products. bfloat16 panels: x rounded to bfloat16, bf16 x bf16 products summed in float32
   (an XLA dot of bfloat16 operands with `preferred_element_type=float32`)."""
-  p, kp, panel = w_packed.shape
-  bf16 = w_packed.dtype == jnp.bfloat16
-  k = x.shape[-1]
-  k_ok = kp == (-(-k // 2) if bf16 else k)
-  if panel != (2 * PANEL if bf16 else PANEL) or not k_ok or not 0 < n <= p * PANEL:
+  p, bf16, fits = _packed_operands(x, w_packed)
+  if not fits or not 0 < n <= p * PANEL:
     raise ValueError(f"packed_matmul: x {x.shape} and packed weight {w_packed.shape} "
                      f"{w_packed.dtype} (n={n}) do not match")
   require("packed_matmul")
   lead = x.shape[:-1]
-  x2 = x.reshape(-1, k).astype(jnp.float32)
+  x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
   name = "sj_packed_matmul_bf16" if bf16 else "sj_packed_matmul_f32"
   y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], p * PANEL), jnp.float32))(
       x2, w_packed)
@@ -202,18 +208,14 @@ def packed_swiglu(x, w_packed, f: int):
   multiple of 64 (`swiglu_supported`). The products are `packed_matmul`'s (bf16 panels: x
   rounded to bfloat16, float32 sums); silu in float32 inside the kernel, so the `[..., 2f]`
   products are never written out."""
-  p, kp, panel = w_packed.shape
-  bf16 = w_packed.dtype == jnp.bfloat16
-  k = x.shape[-1]
-  k_ok = kp == (-(-k // 2) if bf16 else k)
-  if (panel != (2 * PANEL if bf16 else PANEL) or not k_ok or not swiglu_supported(f)
-      or p * PANEL != 2 * f):
+  p, bf16, fits = _packed_operands(x, w_packed)
+  if not fits or not swiglu_supported(f) or p * PANEL != 2 * f:
     raise ValueError(f"packed_swiglu: x {x.shape} and packed gate|up weight {w_packed.shape} "
                      f"{w_packed.dtype} (f={f}) do not match (f a multiple of {PANEL}, "
                      f"2 f / {PANEL} panels)")
   require("packed_swiglu")
   lead = x.shape[:-1]
-  x2 = x.reshape(-1, k).astype(jnp.float32)
+  x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
   name = "sj_packed_swiglu_bf16" if bf16 else "sj_packed_swiglu_f32"
   y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], f), jnp.float32))(x2, w_packed)
   return y.reshape(*lead, f)

@@ -132,6 +132,18 @@ inline void panel_rows(const float* x, const W* panel, float* y, int64_t K, int6
     std::memcpy(y + (m0 + m) * ldy + col0, acc[m], sizeof(acc[m]));
 }
 
+// One register tile of `rows` (<= 4) rows of one panel (panel_rows' arguments).
+template <typename W>
+inline void panel_tile(int64_t rows, const float* x, const W* panel, float* y, int64_t K,
+                       int64_t ldy, int64_t m0, int64_t col0) {
+  switch (rows) {
+    case 4: panel_rows<W, 4>(x, panel, y, K, ldy, m0, col0); break;
+    case 3: panel_rows<W, 3>(x, panel, y, K, ldy, m0, col0); break;
+    case 2: panel_rows<W, 2>(x, panel, y, K, ldy, m0, col0); break;
+    default: panel_rows<W, 1>(x, panel, y, K, ldy, m0, col0); break;
+  }
+}
+
 template <typename W>
 ffi::Error packed_matmul(ffi::ThreadPool pool, const float* x, const W* w, float* y, int64_t M,
                          int64_t K, int64_t P) {
@@ -147,13 +159,8 @@ ffi::Error packed_matmul(ffi::ThreadPool pool, const float* x, const W* w, float
     const W* panel = w + p * K * kNB;
     int64_t t_end = std::min(mtiles, (g + 1) * tiles_per_item);
     for (int64_t t = g * tiles_per_item; t < t_end; ++t) {
-      int64_t m0 = t * kMT, rows = std::min<int64_t>(kMT, M - m0);
-      switch (rows) {
-        case 4: panel_rows<W, 4>(x, panel, y, K, ldy, m0, p * kNB); break;
-        case 3: panel_rows<W, 3>(x, panel, y, K, ldy, m0, p * kNB); break;
-        case 2: panel_rows<W, 2>(x, panel, y, K, ldy, m0, p * kNB); break;
-        default: panel_rows<W, 1>(x, panel, y, K, ldy, m0, p * kNB); break;
-      }
+      int64_t m0 = t * kMT;
+      panel_tile<W>(std::min<int64_t>(kMT, M - m0), x, panel, y, K, ldy, m0, p * kNB);
     }
   });
   return ffi::Error::Success();
@@ -395,16 +402,9 @@ ffi::Error packed_swiglu_f32(ffi::ThreadPool pool, const float* x, const float* 
     const int64_t p = item / mtiles, m0 = (item % mtiles) * kMT;
     const int64_t rows = std::min<int64_t>(kMT, M - m0);
     alignas(64) float g[kMT * kNB], u[kMT * kNB];
-    for (int half = 0; half < 2; ++half) {
-      const float* panel = w + (half * P2 + p) * K * kNB;
-      float* dst = half ? u : g;
-      switch (rows) {  // panel_rows reads x rows m0.. and writes dst rows 0..
-        case 4: panel_rows<float, 4>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
-        case 3: panel_rows<float, 3>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
-        case 2: panel_rows<float, 2>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
-        default: panel_rows<float, 1>(x + m0 * K, panel, dst, K, kNB, 0, 0); break;
-      }
-    }
+    // x rows m0.. into scratch rows 0..
+    panel_tile<float>(rows, x + m0 * K, w + p * K * kNB, g, K, kNB, 0, 0);
+    panel_tile<float>(rows, x + m0 * K, w + (P2 + p) * K * kNB, u, K, kNB, 0, 0);
     swiglu_rows(g, u, rows, y + m0 * ldy + p * kNB, ldy);
   });
   return ffi::Error::Success();
@@ -870,7 +870,7 @@ void for_each_tile(ffi::ThreadPool& pool, int64_t B, int64_t T, int64_t H, int64
 // (Tp = T padded to kKB; a block contiguous: its D rows 256 bytes apart rather than Tp, 4 KB
 // at T = 1024, which maps them to the same L1 sets); vh: its values, row stride ldv; out row
 // stride ldo.
-void causal_tile(const float* qh, int64_t ldq, const float* kt, int64_t Tp, const float* vh,
+void causal_tile(const float* qh, int64_t ldq, const float* kt, const float* vh,
                  int64_t ldv, float* oh, int64_t ldo, int64_t r0, int64_t T, int64_t len,
                  int64_t D, float scale, float* acc /* [kQR, D] */) {
   const int64_t rows = std::min<int64_t>(kQR, T - r0);
@@ -975,7 +975,7 @@ ffi::Error CausalAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   });
   for_each_tile(pool, B, T, H, G, D, lp, [&](int64_t b, int64_t h, int64_t kvh, int64_t r0,
                                               int64_t len, float* acc) {
-    causal_tile(qp + (b * T * H + h) * D, H * D, kt.data() + (b * KV + kvh) * D * Tp, Tp,
+    causal_tile(qp + (b * T * H + h) * D, H * D, kt.data() + (b * KV + kvh) * D * Tp,
                 vp + (b * T * KV + kvh) * D, KV * D, op + (b * T * H + h) * D, H * D, r0, T,
                 len, D, scale, acc);
   });
@@ -1013,7 +1013,7 @@ inline v16 dot2(v16 acc, uint32_t a, const uint32_t* w) {
 // Rows [r0, r0 + kQR) of one query head. q2: the head's rows as bf16 pairs [T][D / 2] (row
 // stride ldq2); kt2: keys as pairs transposed in blocks of kKB keys [Tp / kKB][D / 2][kKB]
 // (as causal_tile's); v2: values paired over keys [Tp / 2][D] (zero past T).
-void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2, int64_t Tp,
+void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2,
                       const uint32_t* v2, float* oh, int64_t ldo, int64_t r0, int64_t T,
                       int64_t len, int64_t D, float scale, float* acc /* [kQR, D] */) {
   const int64_t rows = std::min<int64_t>(kQR, T - r0);
@@ -1164,7 +1164,7 @@ ffi::Error CausalAttentionBF16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for_each_tile(pool, B, T, H, G, D, lp, [&](int64_t b, int64_t h, int64_t kvh, int64_t r0,
                                               int64_t len, float* acc) {
     causal_tile_bf16(q2.data() + (b * T * H + h) * D2, H * D2,
-                     kt.data() + (b * KV + kvh) * D2 * Tp, Tp,
+                     kt.data() + (b * KV + kvh) * D2 * Tp,
                      vt.data() + (b * KV + kvh) * (Tp / 2) * D, op + (b * T * H + h) * D, H * D,
                      r0, T, len, D, scale, acc);
   });
@@ -1216,33 +1216,19 @@ ffi::Error CacheWriteToken(ffi::AnyBuffer kc, ffi::AnyBuffer vc, ffi::AnyBuffer 
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_matmul_f32, PackedMatmulF32,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// x [M, K] float32 and a packed weight of element type T -> y float32.
+#define SJ_PACKED_HANDLER(name, fn, T)                                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, fn,                                             \
+                                ffi::Ffi::Bind()                                      \
+                                    .Ctx<ffi::ThreadPool>()                           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                     \
+                                    .Arg<ffi::Buffer<T>>()                            \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_matmul_bf16, PackedMatmulBF16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_swiglu_f32, PackedSwiglu<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(sj_packed_swiglu_bf16, PackedSwiglu<ffi::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+SJ_PACKED_HANDLER(sj_packed_matmul_f32, PackedMatmulF32, ffi::F32)
+SJ_PACKED_HANDLER(sj_packed_matmul_bf16, PackedMatmulBF16, ffi::BF16)
+SJ_PACKED_HANDLER(sj_packed_swiglu_f32, PackedSwiglu<ffi::F32>, ffi::F32)
+SJ_PACKED_HANDLER(sj_packed_swiglu_bf16, PackedSwiglu<ffi::BF16>, ffi::BF16)
 
 #define SJ_DECODE_HANDLER(name, T, C)                                                 \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, (DecodeAttention<T, C>),                       \

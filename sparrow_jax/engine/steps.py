@@ -22,6 +22,7 @@ from sparrow_jax.models.quality_head import quality_logits
 from sparrow_jax.schedule.schedule import budget_pages, teacher_forced_budgets
 
 AXIS = "rollout"  # the one mesh axis of the engine: every device is a shard
+_sequence_rope = jax.jit(sequence_rope_tables, static_argnums=(0, 1, 2))
 
 
 class DeviceSteps:
@@ -137,8 +138,7 @@ class DeviceSteps:
     per padded length."""
     if t not in self._rope_cache:
       mc = self.model_config
-      tables = jax.jit(sequence_rope_tables, static_argnums=(0, 1, 2))(
-          t, mc.head_dim, mc.rope_theta)
+      tables = _sequence_rope(t, mc.head_dim, mc.rope_theta)
       self._rope_cache[t] = jax.device_put(tables, NamedSharding(self.mesh, P()))
     return self._rope_cache[t]
 
