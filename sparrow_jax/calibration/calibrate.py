@@ -434,6 +434,9 @@ def calibrate(model, prompt_ids: Sequence[Sequence[int]], cfg: CalibrationConfig
                  for k in cfg.budgets], axis=1)  # [bins, budgets]
   schedule, feasible = schedule_from_p5(p5, cfg.budgets, tau=cfg.tau, bin_size=cfg.bin_size,
                                         name=cfg.name, **cfg.schedule_kwargs())
+  measured = np.flatnonzero(np.isfinite(p5).any(axis=1))  # bins with >= min_count tokens
+  if measured.size:  # beyond the last of them the last budget applies, unmeasured
+    schedule = schedule.replace(calibrated_to=int(measured[-1] + 1) * cfg.bin_size)
   log(f"schedule: {describe(schedule)}")
 
   s_sample = s_stats = None

@@ -44,6 +44,7 @@ from sparrow_jax.rl.switching import alpha_tails_per_bin
 from sparrow_jax.run import compile_clock
 from sparrow_jax.run import microbatch as mb_lib
 from sparrow_jax.run.builders import _frac_zero_var
+from sparrow_jax.schedule.schedule import beyond_calibrated_frac
 
 
 @dataclasses.dataclass
@@ -95,6 +96,10 @@ def batch(tr, sb: StepBatch) -> None:
                                    for s in range(0, len(lengths), tr.cfg.mini_batch)]))
   sb.out["batch/logprob_padding_frac"] = mb_lib.padding_frac(sb.logprob_plan, lengths)
   sb.out["batch/micro_batches"] = len(update_plan)
+  # The rollout's schedule (the ladder switches only after this step's update).
+  beyond = beyond_calibrated_frac(tr.schedule, sb.arrays["prompt_lens"], lengths)
+  if beyond is not None:
+    sb.out["schedule/beyond_calibrated_frac"] = beyond
 
 
 def recompute(tr, sb: StepBatch) -> None:

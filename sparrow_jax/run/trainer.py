@@ -74,7 +74,7 @@ from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
 from sparrow_jax.engine.sampling import SamplingParams, request_seed
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule.schedule import (SparsitySchedule, attention_spec,
-                                           teacher_forced_budgets)
+                                           teacher_forced_budgets, uncalibrated_positions)
 
 
 _log = logging.getLogger(__name__)
@@ -225,6 +225,11 @@ class Trainer:
       self.ladder = ScheduleLadder([self.schedule, *checked.ladder], tau=cfg.tau,
                                    patience=cfg.ladder_patience,
                                    probe_every=cfg.probe_every)
+    if with_dataset:  # a table used past the positions its calibration measured
+      for sched in [self.schedule, *(checked.ladder or ())]:
+        msg = uncalibrated_positions(sched, max_len)
+        if msg:
+          _log.warning(msg)
     self.lora = self.lora_opt_state = None
     self._distill_step = None
     if cfg.distill:

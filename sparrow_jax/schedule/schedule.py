@@ -16,6 +16,11 @@ Paper / release symbols carried by the names here:
   tau               the tail target the schedule was calibrated for (5th-percentile alpha).
   landmark          page summary used to score pages: "mean" (centroid of the page's keys,
                     the release default) or "quest" (per-channel min/max of the keys).
+  calibrated_to     (calibrated schedules) positions below this were measured when the table
+                    was made; beyond it the last budget applies without a measurement. None =
+                    not recorded (presets, `constant:K`, tables written by hand). The trainer
+                    warns when its rollouts can reach past it and logs the share of tokens
+                    that did (`schedule/beyond_calibrated_frac`).
 
 Definition of "position". Everywhere in this package a *position* is the number of tokens
 held in the KV cache for the query being computed, the query's own token included. In
@@ -64,6 +69,7 @@ class SparsitySchedule:
   tau: float | None = 0.86
   landmark: str = "mean"
   is_dense: bool = False
+  calibrated_to: int | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
@@ -123,6 +129,11 @@ class SparsitySchedule:
     if self.landmark not in LANDMARKS:
       raise ValueError(f"SparsitySchedule.landmark={self.landmark!r}: expected one of "
                        f"{LANDMARKS}")
+    if self.calibrated_to is not None:
+      if not _is_int(self.calibrated_to) or self.calibrated_to <= 0:
+        raise ValueError(f"SparsitySchedule.calibrated_to={self.calibrated_to!r}: expected a "
+                         "positive int (positions the calibration measured) or None")
+      object.__setattr__(self, "calibrated_to", int(self.calibrated_to))
 
   @property
   def num_bins(self) -> int:
@@ -349,7 +360,38 @@ def describe(schedule: SparsitySchedule) -> str:
   return (f"{schedule.name}: page {schedule.page_size}, bins of {schedule.bin_size} tokens, "
           f"top-k pages [{bins}] + {schedule.reserved_bos} bos + {schedule.reserved_recent} "
           f"recent, dense layers {list(schedule.dense_layers)}, landmark {schedule.landmark}, "
-          f"tau {schedule.tau}")
+          f"tau {schedule.tau}"
+          + (f", calibrated below position {schedule.calibrated_to}"
+             if schedule.calibrated_to is not None else ""))
+
+
+def uncalibrated_positions(schedule: SparsitySchedule, max_position: int) -> str | None:
+  """A warning if positions up to `max_position` reach past `schedule.calibrated_to` (the
+  last budget then applies where the calibration measured nothing); None otherwise."""
+  if schedule.is_dense or schedule.calibrated_to is None or max_position <= schedule.calibrated_to:
+    return None
+  return (f"schedule {schedule.name!r} was calibrated below position {schedule.calibrated_to}, "
+          f"but rollouts can reach position {max_position} (max_prompt_len + max_new_tokens): "
+          f"positions {schedule.calibrated_to}-{max_position} run at the last bin's budget "
+          f"({schedule.budgets[-1]} pages), which no calibration measured there. Calibrate "
+          "with trajectories that reach those positions (experiments/calibrate.py "
+          "--max-new-tokens; --ignore-eos forces the length), or watch the monitor's bins "
+          "there; the share of tokens past it is logged as schedule/beyond_calibrated_frac")
+
+
+def beyond_calibrated_frac(schedule: SparsitySchedule, prompt_lens, lengths) -> float | None:
+  """Share of generated tokens at positions >= `schedule.calibrated_to` (None when the
+  schedule records no calibrated range or is dense). Row b's generated tokens sit at 0-based
+  indices prompt_lens[b] .. lengths[b] - 1, and the token at index j has position j."""
+  if schedule.is_dense or schedule.calibrated_to is None:
+    return None
+  p = np.asarray(prompt_lens, np.int64)
+  n = np.asarray(lengths, np.int64)
+  total = int(np.maximum(n - p, 0).sum())
+  if total == 0:
+    return 0.0
+  past = np.maximum(n - np.maximum(p, schedule.calibrated_to), 0).sum()
+  return float(past) / total
 
 
 

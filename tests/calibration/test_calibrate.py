@@ -151,6 +151,8 @@ def test_calibration_end_to_end_resume_and_schedule(tmp_path, prompts_file, monk
   sched = SparsitySchedule.from_json(out / "schedule.json")
   assert sched.tau == pytest.approx(tau) and sched.page_size == 4 and sched.bin_size == BIN
   assert sched.dense_layers == (0,) and sched.reserved == 3
+  # Both bins held tokens: the table was measured below position 2 * BIN.
+  assert np.isfinite(p5).any(axis=1).all() and sched.calibrated_to == 2 * BIN
   assert list(sched.budgets) == sorted(sched.budgets), "schedule must be non-decreasing"
   assert max(sched.budgets) > min(BUDGETS), "tau was picked so that some bin needs more"
   want, feasible = schedule_from_p5(p5, budgets, tau=tau, bin_size=BIN, page_size=4)

@@ -243,3 +243,26 @@ def test_kv_cache_dtype_reaches_the_engine_and_the_memory_plan(tmp_path):
   assert rec["rollout/tokens"] > 0 and np.isfinite(rec["loss/total"]), rec
   with pytest.raises(ValueError, match="kv_cache_dtype='float16'"):
     _cfg(tmp_path / "c", "kv_cache_dtype=float16")
+
+
+def test_rollouts_past_the_calibrated_positions_are_warned_and_counted(tmp_path, caplog):
+  """A calibrated schedule used where its calibration measured nothing: the trainer warns at
+  start (naming the positions) and each step logs the share of generated tokens past it,
+  counted from the step's own completions."""
+  import logging
+  from sparrow_jax.schedule.schedule import SparsitySchedule
+  path = str(tmp_path / "calibrated.json")
+  SparsitySchedule(name="calibrated", page_size=2, bin_size=4, budgets=(1, 1, 2),
+                   dense_layers=(0,), tau=0.86, calibrated_to=8).to_json(path)
+  with caplog.at_level(logging.WARNING, logger="sparrow_jax.run.trainer"):
+    tr = Trainer(_cfg(tmp_path, "num_steps=1", f"schedule={path}"), quiet=True)
+  assert any("below position 8" in r.getMessage() and "8-36" in r.getMessage()
+             for r in caplog.records), [r.getMessage() for r in caplog.records]
+  tr.fit()
+  rec = read_jsonl(str(tmp_path / "metrics.jsonl"))[1]
+  comps = tr.last_rollout[1]
+  gen = sum(len(c.token_ids) for c in comps)
+  past = sum(max(0, len(c.prompt_ids) + len(c.token_ids) - max(len(c.prompt_ids), 8))
+             for c in comps)
+  assert 0 < past < gen, (past, gen)  # the tiny task's responses straddle position 8
+  assert rec["schedule/beyond_calibrated_frac"] == pytest.approx(past / gen)

@@ -14,7 +14,8 @@ import pytest
 from sparrow_jax.schedule import presets
 from sparrow_jax.schedule.schedule import (SparsitySchedule, budget_pages, max_budget,
                                            pages_attended, pages_held, pages_read,
-                                           parse_schedule, schedule_from_p5)
+                                           parse_schedule, schedule_from_p5,
+                                           beyond_calibrated_frac, uncalibrated_positions)
 
 # Copy of the table in shared/papers/sparrow_release_facts.md, kept here so the test does not
 # depend on that file: the presets must reproduce it exactly.
@@ -209,7 +210,8 @@ class JsonTest(chex.TestCase):
 
   def test_round_trip(self):
     with tempfile.TemporaryDirectory() as d:
-      for s in SCHEDULES + [SparsitySchedule(budgets=(2,), landmark="quest", tau=None)]:
+      for s in SCHEDULES + [SparsitySchedule(budgets=(2,), landmark="quest", tau=None),
+                            SparsitySchedule(budgets=(2, 4), calibrated_to=96)]:
         path = os.path.join(d, f"{s.name}.json")
         s.to_json(path)
         assert SparsitySchedule.from_json(path) == s
@@ -237,6 +239,33 @@ class JsonTest(chex.TestCase):
         SparsitySchedule.from_json(p)
       with pytest.raises(ValueError, match="missing.json.*does not exist"):
         SparsitySchedule.from_json(os.path.join(d, "missing.json"))
+      for bad in (0, -32, 1.5, "64", True):
+        with open(p, "w") as f:
+          json.dump({"budgets": [4], "calibrated_to": bad}, f)
+        with pytest.raises(ValueError, match="bad.json.*calibrated_to"):
+          SparsitySchedule.from_json(p)
+
+
+class CalibratedRangeTest(chex.TestCase):
+
+  def test_tokens_past_the_calibrated_positions(self):
+    s = SparsitySchedule(name="cal", bin_size=32, budgets=(2, 8), calibrated_to=64)
+    # Row 0: prompt 10, tokens at indices 10..79 (70): 16 of them (64..79) past 64.
+    # Row 1: prompt 70 (already past), 5 tokens: all past. Row 2: 20 tokens ending at 40.
+    frac = beyond_calibrated_frac(s, [10, 70, 20], [80, 75, 40])
+    assert frac == pytest.approx((16 + 5 + 0) / (70 + 5 + 20))
+    assert beyond_calibrated_frac(s, [10], [64]) == 0.0  # last token at index 63
+    assert beyond_calibrated_frac(s, [10], [65]) == pytest.approx(1 / 55)
+    assert beyond_calibrated_frac(s, [5], [5]) == 0.0  # nothing generated
+    assert beyond_calibrated_frac(s.replace(calibrated_to=None), [10], [80]) is None
+    assert beyond_calibrated_frac(presets.dense(), [10], [80]) is None
+
+  def test_warning_names_the_range_and_budget(self):
+    s = SparsitySchedule(name="cal", bin_size=32, budgets=(2, 8), calibrated_to=64)
+    assert uncalibrated_positions(s, 64) is None
+    msg = uncalibrated_positions(s, 300)
+    assert "'cal'" in msg and "64-300" in msg and "(8 pages)" in msg
+    assert uncalibrated_positions(s.replace(calibrated_to=None), 300) is None
 
 
 class ParseTest(chex.TestCase):
