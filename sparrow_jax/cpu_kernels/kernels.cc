@@ -49,6 +49,7 @@ inline v16 load16(const float* p) {
   std::memcpy(&r, p, sizeof(r));
   return r;
 }
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof(v)); }
 inline v16 load16(const uint16_t* p) {  // 16 bfloat16 -> float32
   u16x16 h;
   std::memcpy(&h, p, sizeof(h));
@@ -843,6 +844,23 @@ inline void finish_rows(const float* acc, const float* l, int64_t rows, int64_t 
   }
 }
 
+// The largest of a 64-key block's scores (four vectors, one horizontal reduction).
+inline float block_max(const v16 (&blk)[4]) {
+  const v16 a = blk[0] > blk[1] ? blk[0] : blk[1], b = blk[2] > blk[3] ? blk[2] : blk[3];
+  return hmax(a > b ? a : b);
+}
+
+// Online softmax: the new running max of a row and the factor its sum and accumulator take
+// (exactly 1, and no rescale, when the block does not raise the max: the common case after
+// the first blocks).
+inline float raise_max(float& m, float block_mx, float* acc_row, int64_t D) {
+  if (!(block_mx > m)) return 1.f;
+  const float corr = std::exp(m - block_mx);
+  m = block_mx;
+  for (int64_t d = 0; d < D; d += 16) store16(acc_row + d, load16(acc_row + d) * corr);
+  return corr;
+}
+
 // Whether q [B, T, H, D] and k / v [B, T, KV, D] fit the causal kernels (D % 64 == 0).
 inline bool causal_shapes_ok(ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd) {
   return qd.size() == 4 && kd.size() == 4 && kd[0] == qd[0] && kd[1] == qd[1] &&
@@ -878,6 +896,7 @@ void causal_tile(const float* qh, int64_t ldq, const float* kt, const float* vh,
   for (int r = 0; r < kQR; ++r) { m[r] = -INFINITY; l[r] = 0.f; }
   std::fill(acc, acc + kQR * D, 0.f);
   const int64_t last = std::min(r0 + rows - 1, len - 1);  // the tile's last query with keys
+  float p[kQR][kKB];
   for (int64_t j0 = 0; j0 <= last; j0 += kKB) {
     v16 s[kQR][4];
     for (int r = 0; r < kQR; ++r)
@@ -894,10 +913,12 @@ void causal_tile(const float* qh, int64_t ldq, const float* kt, const float* vh,
       }
     }
     const int64_t nkeys = std::min<int64_t>(kKB, last + 1 - j0);
-    float p[kQR][kKB];
-    for (int r = 0; r < rows; ++r) {
+    for (int r = 0; r < kQR; ++r) {
       const int64_t i = r0 + r;
-      if (i >= len) continue;
+      if (r >= rows || i >= len) {  // no keys: zero probabilities, the value loop stays branchless
+        std::fill(p[r], p[r] + kKB, 0.f);
+        continue;
+      }
       const int64_t lim = std::min<int64_t>(i, len - 1) - j0;  // keys j0 .. j0 + lim visible
       v16 blk[4];
       const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -907,19 +928,15 @@ void causal_tile(const float* qh, int64_t ldq, const float* kt, const float* vh,
         if (lim < (c + 1) * 16 - 1) sc = (lane + float(c * 16)) > float(lim) ? ninf : sc;
         blk[c] = sc;
       }
-      const float mx = std::max(m[r], std::max(std::max(hmax(blk[0]), hmax(blk[1])),
-                                               std::max(hmax(blk[2]), hmax(blk[3]))));
-      const float corr = std::exp(m[r] - mx);
-      float tot = 0.f;
+      const float corr = raise_max(m[r], block_max(blk), acc + r * D, D);
+      const float mx = m[r];
+      v16 tot{};
       for (int c = 0; c < 4; ++c) {
-        v16 e = exp16(blk[c] - mx);
+        const v16 e = exp16(blk[c] - mx);
         std::memcpy(p[r] + c * 16, &e, sizeof(e));
-        tot += hsum(e);
+        tot += e;
       }
-      l[r] = l[r] * corr + tot;
-      m[r] = mx;
-      float* a = acc + r * D;
-      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+      l[r] = l[r] * corr + hsum(tot);
     }
     // acc[r] += p[r] @ V[j0 : j0 + nkeys], 64 value columns at a time
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
@@ -930,7 +947,7 @@ void causal_tile(const float* qh, int64_t ldq, const float* kt, const float* vh,
         const float* vr = vh + (j0 + j) * ldv + d0;
         v16 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
         for (int r = 0; r < kQR; ++r) {
-          const float pv = (r < rows && r0 + r < len) ? p[r][j] : 0.f;
+          const float pv = p[r][j];
           o[r][0] += pv * v0;
           o[r][1] += pv * v1;
           o[r][2] += pv * v2;
@@ -1061,9 +1078,8 @@ void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2,
         if (lim < (c + 1) * 16 - 1) sc = (lane + float(c * 16)) > float(lim) ? ninf : sc;
         blk[c] = sc;
       }
-      const float mx = std::max(m[r], std::max(std::max(hmax(blk[0]), hmax(blk[1])),
-                                               std::max(hmax(blk[2]), hmax(blk[3]))));
-      const float corr = std::exp(m[r] - mx);
+      const float corr = raise_max(m[r], block_max(blk), acc + r * D, D);
+      const float mx = m[r];
       // The probabilities as the value product uses them (bf16, in key order: key pairs are
       // adjacent), and their sum from the same rounded values.
       uint16_t* pb = reinterpret_cast<uint16_t*>(p2[r]);
@@ -1078,11 +1094,7 @@ void causal_tile_bf16(const uint32_t* q2, int64_t ldq2, const uint32_t* kt2,
 #endif
         rounded += load16(pb + 16 * c);
       }
-      const float tot = hsum(rounded);
-      l[r] = l[r] * corr + tot;
-      m[r] = mx;
-      float* a = acc + r * D;
-      for (int64_t d = 0; d < D; ++d) a[d] *= corr;
+      l[r] = l[r] * corr + hsum(rounded);
     }
     const int64_t npairs = (std::min<int64_t>(kKB, last + 1 - j0) + 1) / 2;
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
