@@ -365,14 +365,15 @@ def describe(schedule: SparsitySchedule) -> str:
              if schedule.calibrated_to is not None else ""))
 
 
-def uncalibrated_positions(schedule: SparsitySchedule, max_position: int) -> str | None:
-  """A warning if positions up to `max_position` reach past `schedule.calibrated_to` (the
-  last budget then applies where the calibration measured nothing); None otherwise."""
-  if schedule.is_dense or schedule.calibrated_to is None or max_position <= schedule.calibrated_to:
+def uncalibrated_positions(schedule: SparsitySchedule, max_tokens: int) -> str | None:
+  """A warning if sequences of up to `max_tokens` tokens generate at positions >=
+  `schedule.calibrated_to` (the last budget then applies where the calibration measured
+  nothing); None otherwise. The last token of such a sequence has position max_tokens - 1."""
+  if schedule.is_dense or schedule.calibrated_to is None or max_tokens <= schedule.calibrated_to:
     return None
   return (f"schedule {schedule.name!r} was calibrated below position {schedule.calibrated_to}, "
-          f"but rollouts can reach position {max_position} (max_prompt_len + max_new_tokens): "
-          f"positions {schedule.calibrated_to}-{max_position} run at the last bin's budget "
+          f"but rollouts can hold {max_tokens} tokens (max_prompt_len + max_new_tokens): "
+          f"positions {schedule.calibrated_to}-{max_tokens - 1} run at the last bin's budget "
           f"({schedule.budgets[-1]} pages), which no calibration measured there. Calibrate "
           "with trajectories that reach those positions (experiments/calibrate.py "
           "--max-new-tokens; --ignore-eos forces the length), or watch the monitor's bins "

@@ -262,9 +262,10 @@ class CalibratedRangeTest(chex.TestCase):
 
   def test_warning_names_the_range_and_budget(self):
     s = SparsitySchedule(name="cal", bin_size=32, budgets=(2, 8), calibrated_to=64)
-    assert uncalibrated_positions(s, 64) is None
+    assert uncalibrated_positions(s, 64) is None  # last token at position 63
+    assert "64-64" in uncalibrated_positions(s, 65)
     msg = uncalibrated_positions(s, 300)
-    assert "'cal'" in msg and "64-300" in msg and "(8 pages)" in msg
+    assert "'cal'" in msg and "64-299" in msg and "(8 pages)" in msg
     assert uncalibrated_positions(s.replace(calibrated_to=None), 300) is None
 
 
