@@ -226,7 +226,7 @@ class Trainer:
                                    patience=cfg.ladder_patience,
                                    probe_every=cfg.probe_every)
     if with_dataset:  # a table used past the positions its calibration measured
-      for sched in [self.schedule, *(checked.ladder or ())]:
+      for sched in (self.ladder.schedules if self.ladder else [self.schedule]):
         msg = uncalibrated_positions(sched, max_len)
         if msg:
           _log.warning(msg)
