@@ -38,9 +38,8 @@ from sparrow_jax.engine.steps import AXIS
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.kv_cache import PagedKVCache
 from sparrow_jax.models.decoder import Decoder
-from sparrow_jax.rl import distill as distill_lib
-from sparrow_jax.rl import grpo
 from sparrow_jax.models import lora as lora_lib
+from sparrow_jax.run import algorithm
 from sparrow_jax.run import sharding as sh
 from sparrow_jax.run.builders import build_schedule, make_optimizer, model_config
 from sparrow_jax.run.config import TrainConfig
@@ -108,23 +107,15 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
   tx, _ = make_optimizer(cfg)
   opt_abs = jax.eval_shape(tx.init, params)
   opt = _abstract(opt_abs, sh.opt_state_shardings(opt_abs, pshard, mesh, abstract))
-  temperature = cfg.temperature if cfg.temperature > 0 else 1.0
-  loss_cfg = grpo.GRPOLossConfig(
-      eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
-      agg=cfg.loss_agg, norm_len=cfg.max_new_tokens if cfg.loss_agg.endswith("norm") else None,
-      kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coeff=cfg.entropy_coeff,
-      tis_cap=cfg.tis_cap, tis_mask_threshold=cfg.tis_mask_threshold)
+  temperature = algorithm.rollout_temperature(cfg)
+  loss_cfg = algorithm.loss_config(cfg)
   schedule = build_schedule(cfg)
   attention = attention_spec(schedule, backend="xla", landmark_dtype=cfg.landmark_dtype)
   dcfg = lora_tx = lora = lora_opt = None
   if cfg.distill:
-    dcfg = distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
-                                     pg_coef=cfg.distill_pg_coef, tis_cap=cfg.distill_pg_clip,
-                                     temperature=temperature, logprob_chunk=cfg.logprob_chunk,
-                                     min_gap=cfg.distill_min_gap)
-    lora_tx = distill_lib.default_optimizer(cfg.distill_lr)
-    lcfg = lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha,
-                               targets=cfg.lora_targets)
+    dcfg = algorithm.distill_config(cfg)
+    lora_tx = algorithm.distill_optimizer(cfg)
+    lcfg = algorithm.lora_config(cfg)
     lora_abs = jax.eval_shape(lambda: lora_lib.init_lora(mcfg, lcfg, jax.random.PRNGKey(0)))
     lshard = sh.param_shardings(lora_abs, mesh)
     lora = _abstract(lora_abs, lshard)

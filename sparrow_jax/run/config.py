@@ -115,6 +115,8 @@ class TrainConfig:
   entropy_coeff: float = 0.0
   tis_cap: float | None = None  # C
   tis_mask_threshold: float | None = None
+  # Lower bound of the TIS mask's kept band (null = 1 / tis_mask_threshold; needs the threshold)
+  tis_mask_low: float | None = None
   dynamic_sampling: bool = False
   max_refill_rounds: int = 4  # extra rollout rounds to refill dropped groups (0 = no refill)
   max_bad_steps: int = 3  # NaN/inf steps in a row before the run stops

@@ -1,0 +1,53 @@
+"""One place from `TrainConfig` to the algorithm's own configs: the GRPO loss, DistillSparse,
+its LoRA and optimizer, ARRoL and the rollout temperature. The trainer and the compile plan
+both call these, so a key reaches the same setting in the run and in its memory plan.
+"""
+
+from __future__ import annotations
+
+import optax
+
+from sparrow_jax.models import lora as lora_lib
+from sparrow_jax.rl import distill as distill_lib
+from sparrow_jax.rl import grpo
+from sparrow_jax.run.config import TrainConfig
+
+
+def rollout_temperature(cfg: TrainConfig) -> float:
+  """T of every training-side log-prob. The engine samples greedily at temperature 0 and then
+  reports untempered log-probs, so 0 maps to 1."""
+  return cfg.temperature if cfg.temperature > 0 else 1.0
+
+
+def loss_config(cfg: TrainConfig) -> grpo.GRPOLossConfig:
+  """The GRPO loss of a run: every field of `GRPOLossConfig` comes from a key."""
+  return grpo.GRPOLossConfig(
+      eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
+      agg=cfg.loss_agg, norm_len=cfg.max_new_tokens if cfg.loss_agg.endswith("norm") else None,
+      kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coeff=cfg.entropy_coeff,
+      tis_cap=cfg.tis_cap, tis_mask_threshold=cfg.tis_mask_threshold,
+      tis_mask_low=cfg.tis_mask_low)
+
+
+def distill_config(cfg: TrainConfig) -> distill_lib.DistillConfig | None:
+  """DistillSparse's loss settings (None when `distill=false`)."""
+  if not cfg.distill:
+    return None
+  return distill_lib.DistillConfig(kind=cfg.distill_kind, coef=cfg.distill_coef,
+                                   pg_coef=cfg.distill_pg_coef, tis_cap=cfg.distill_pg_clip,
+                                   temperature=rollout_temperature(cfg),
+                                   logprob_chunk=cfg.logprob_chunk,
+                                   min_gap=cfg.distill_min_gap)
+
+
+def distill_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """The LoRA's optimizer: `distill_lr`, reached linearly over `distill_warmup_steps` (Adam's
+  first steps are full-size)."""
+  lr = (optax.linear_schedule(cfg.distill_lr / cfg.distill_warmup_steps, cfg.distill_lr,
+                              cfg.distill_warmup_steps)
+        if cfg.distill_warmup_steps else cfg.distill_lr)
+  return distill_lib.default_optimizer(lr)
+
+
+def lora_config(cfg: TrainConfig) -> lora_lib.LoRAConfig:
+  return lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
