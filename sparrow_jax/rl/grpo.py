@@ -48,6 +48,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.rl import corrections as corr_lib
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3", "low_var_kl")
 _LOG_RATIO_CLAMP = 20.0
@@ -351,6 +353,15 @@ class GRPOLossConfig:
   Defaults follow the Sparrow release (verl's actor defaults): ε_low 0.2, ε_high 0.28, dual
   clip c = 3, low_var_kl with β = 0, entropy coefficient 0. `tis_cap` (C) and
   `tis_mask_threshold` turn on the sparse-rollout correction and then require `rollout_logp`.
+
+  The rollout-correction family (`corrections`, docs/rollout_correction.md), verl's names:
+  `rollout_is` token | sequence | geometric with `rollout_is_threshold` "C" (truncate) or
+  "lo_hi" (IcePop band), `rollout_is_batch_normalize`; `rollout_rs` a comma-separated list of
+  rejection statistics with `rollout_rs_threshold` ("hi" or "lo_hi", one or one each);
+  `rollout_token_veto_threshold` tau (Sparse-RL's sparsity-aware rejection); `rollout_mode`
+  decoupled | bypass (bypass: the learner passes rollout_logp as old_logp). The legacy
+  tis_* fields and these are exclusive: tis_cap=C is rollout_is=token, threshold C;
+  tis_mask_threshold=h is rollout_rs=token, threshold h (or "tis_mask_low_h").
   """
 
   eps_low: float = 0.2
@@ -364,6 +375,13 @@ class GRPOLossConfig:
   tis_cap: float | None = None
   tis_mask_threshold: float | None = None
   tis_mask_low: float | None = None
+  rollout_is: str | None = None
+  rollout_is_threshold: str | float = "2.0"
+  rollout_is_batch_normalize: bool = False
+  rollout_rs: str | None = None
+  rollout_rs_threshold: str | None = None
+  rollout_token_veto_threshold: float | None = None
+  rollout_mode: str = "decoupled"
 
   def __post_init__(self):
     _check_clip(self.eps_low, self.eps_high, self.dual_clip_c)
@@ -385,16 +403,43 @@ class GRPOLossConfig:
     if self.tis_mask_low is not None and self.tis_mask_threshold is None:
       raise ValueError(f"GRPOLossConfig.tis_mask_low={self.tis_mask_low!r} needs "
                        f"tis_mask_threshold; expected both or neither")
+    spec = self.correction  # validates the rollout_* fields
+    if spec.active and (self.tis_cap is not None or self.tis_mask_threshold is not None):
+      raise ValueError(f"GRPOLossConfig: tis_cap={self.tis_cap!r} / tis_mask_threshold="
+                       f"{self.tis_mask_threshold!r} together with rollout_is / rollout_rs / "
+                       f"rollout_token_veto_threshold; expected one family (tis_cap=C is "
+                       f"rollout_is='token', rollout_is_threshold=C)")
+    if self.rollout_bypass and (self.tis_cap is not None or self.tis_mask_threshold is not None):
+      raise ValueError("GRPOLossConfig: rollout_mode='bypass' with tis_cap / "
+                       "tis_mask_threshold; expected the rollout_* keys (rollout_rs) in bypass "
+                       "mode")
+
+  @property
+  def correction(self) -> corr_lib.CorrectionSpec:
+    """The parsed rollout_* fields (`corrections.make_spec`)."""
+    return corr_lib.make_spec(
+        rollout_is=self.rollout_is, rollout_is_threshold=self.rollout_is_threshold,
+        rollout_is_batch_normalize=self.rollout_is_batch_normalize, rollout_rs=self.rollout_rs,
+        rollout_rs_threshold=self.rollout_rs_threshold,
+        rollout_token_veto_threshold=self.rollout_token_veto_threshold,
+        rollout_mode=self.rollout_mode)
+
+  @property
+  def rollout_bypass(self) -> bool:
+    """Bypass mode: old = the rollout policy; the learner must pass rollout_logp as old_logp."""
+    return self.rollout_mode == "bypass"
 
   @property
   def uses_rollout_correction(self) -> bool:
-    return self.tis_cap is not None or self.tis_mask_threshold is not None
+    """The loss needs `rollout_logp` (a legacy TIS setting or a rollout_* correction)."""
+    return (self.tis_cap is not None or self.tis_mask_threshold is not None
+            or self.correction.active)
 
 
 def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask: jax.Array,
               config: GRPOLossConfig = GRPOLossConfig(), *, ref_logp: jax.Array | None = None,
               rollout_logp: jax.Array | None = None, entropy: jax.Array | None = None,
-              num_tokens=None, num_seqs=None) -> tuple[jax.Array, Metrics]:
+              num_tokens=None, num_seqs=None, is_norm=None) -> tuple[jax.Array, Metrics]:
   """loss = PG(w_TIS) + β KL - entropy_coeff H, each aggregated with `config.agg` -> (loss,
   metrics).
 
@@ -405,20 +450,40 @@ def grpo_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mask:
   `entropy_from_logits` inside the grad function (needed when entropy_coeff > 0).
   num_tokens / num_seqs: the denominators of the whole mini-batch when this is one of its
   micro-batches (`loss_denominators(loss_mask(...))` of the mini-batch); every term uses them.
+  is_norm: the mini-batch's IS batch-normalisation divisor (`mini_batch_denominators` gives
+  all three); None computes it over this batch.
+
+  Rollout correction (`config.correction`, docs/rollout_correction.md): IS weights multiply
+  the clipped per-token loss; rejected tokens leave the mask every term aggregates over. In
+  decoupled mode rho = pi_old / pi_rollout; in bypass mode (old_logp must be rollout_logp)
+  rho = sg(pi_theta) / pi_rollout, and since that is unknown before the forward, rejection
+  only zeroes tokens: the denominators stay those of the input mask. Every `rollout_corr/*`
+  metric is for the learner's log (`combine_micro_metrics` combines them).
   """
-  den = dict(num_tokens=num_tokens, num_seqs=num_seqs)
   cfg = config
+  spec = cfg.correction
   weights = None
   metrics: Metrics = {}
-  if cfg.uses_rollout_correction:
-    if rollout_logp is None:
-      raise ValueError(f"grpo_loss: rollout_logp=None but tis_cap={cfg.tis_cap!r} / "
-                       f"tis_mask_threshold={cfg.tis_mask_threshold!r}; expected the sparse "
-                       f"actor's log-probs [B, T]")
+  if cfg.uses_rollout_correction and rollout_logp is None:
+    raise ValueError(f"grpo_loss: rollout_logp=None but tis_cap={cfg.tis_cap!r} / "
+                     f"tis_mask_threshold={cfg.tis_mask_threshold!r} / rollout_is="
+                     f"{cfg.rollout_is!r} / rollout_rs={cfg.rollout_rs!r} / "
+                     f"rollout_token_veto_threshold={cfg.rollout_token_veto_threshold!r}; "
+                     f"expected the sparse actor's log-probs [B, T]")
+  if spec.active and spec.mode == "bypass" and num_tokens is None:
+    num_tokens, num_seqs = loss_denominators(mask).values()
+  den = dict(num_tokens=num_tokens, num_seqs=num_seqs)
+  if cfg.tis_cap is not None or cfg.tis_mask_threshold is not None:  # legacy TIS, unchanged
+    input_mask = mask
     weights, mask, is_stats = rollout_correction(
         old_logp, rollout_logp, mask, tis_cap=cfg.tis_cap,
         mask_threshold=cfg.tis_mask_threshold, mask_low=cfg.tis_mask_low)
     metrics.update(is_stats)
+    metrics.update(_legacy_corr_metrics(old_logp, rollout_logp, input_mask, mask, cfg.tis_cap))
+  elif spec.active:
+    target = corr_lib.CORRECTIONS.get("mode:" + spec.mode)(logp, old_logp)
+    weights, mask, corr_metrics = corr_lib.apply(spec, target, rollout_logp, mask, norm=is_norm)
+    metrics.update(corr_metrics)
   pg, pg_metrics = ppo_clip_loss(logp, old_logp, advantages, mask, eps_low=cfg.eps_low,
                                  eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
                                  agg=cfg.agg, norm_len=cfg.norm_len, is_weights=weights,
@@ -451,14 +516,60 @@ def loss_mask(mask: jax.Array, config: GRPOLossConfig = GRPOLossConfig(), *,
               old_logp: jax.Array | None = None,
               rollout_logp: jax.Array | None = None) -> jax.Array:
   """The mask `grpo_loss` aggregates over: `mask` [B, T] less the tokens the rollout
-  correction drops (`tis_mask_threshold`). Feed it to `loss_denominators` for a mini-batch."""
-  if config.tis_mask_threshold is None:
+  correction drops (`tis_mask_threshold`, or rejection in decoupled mode; in bypass mode the
+  denominators keep the input mask). Feed it to `loss_denominators` for a mini-batch."""
+  spec = config.correction
+  if config.tis_mask_threshold is None and not (spec.rejects and spec.mode == "decoupled"):
     return mask
   if old_logp is None or rollout_logp is None:
-    raise ValueError("loss_mask: tis_mask_threshold is set; expected old_logp and rollout_logp")
-  return rollout_correction(old_logp, rollout_logp, mask, tis_cap=config.tis_cap,
-                            mask_threshold=config.tis_mask_threshold,
-                            mask_low=config.tis_mask_low)[1]
+    raise ValueError("loss_mask: tis_mask_threshold / rollout_rs / rollout_token_veto_threshold "
+                     "is set; expected old_logp and rollout_logp")
+  if config.tis_mask_threshold is not None:
+    return rollout_correction(old_logp, rollout_logp, mask, tis_cap=config.tis_cap,
+                              mask_threshold=config.tis_mask_threshold,
+                              mask_low=config.tis_mask_low)[1]
+  keep = corr_lib.keep_mask(spec, corr_lib.log_ratio(old_logp, rollout_logp), _f32(mask) > 0)
+  return jnp.where(keep, mask, jnp.zeros_like(mask))
+
+
+def mini_batch_denominators(mask: jax.Array, config: GRPOLossConfig = GRPOLossConfig(), *,
+                            old_logp: jax.Array | None = None,
+                            rollout_logp: jax.Array | None = None) -> dict[str, jax.Array]:
+  """Everything a micro-batch's `grpo_loss` needs from its whole mini-batch, as keyword
+  arguments: `loss_denominators(loss_mask(...))`, plus `is_norm` (the IS batch-normalisation
+  divisor) when `rollout_is_batch_normalize` is on."""
+  den = loss_denominators(loss_mask(mask, config, old_logp=old_logp, rollout_logp=rollout_logp))
+  spec = config.correction
+  if spec.batch_normalize:
+    if old_logp is None or rollout_logp is None:
+      raise ValueError("mini_batch_denominators: rollout_is_batch_normalize is set; expected "
+                       "old_logp and rollout_logp")
+    den["is_norm"] = corr_lib.is_norm(spec, corr_lib.log_ratio(old_logp, rollout_logp),
+                                      _f32(mask) > 0)
+  return den
+
+
+def _legacy_corr_metrics(old_logp, rollout_logp, input_mask, new_mask, cap) -> Metrics:
+  """`rollout_corr/*` metrics of the legacy tis_cap / tis_mask_* correction (token units; the
+  weights min(rho, C), or 1 without a cap, before the mask)."""
+  lr = corr_lib.log_ratio(old_logp, rollout_logp)
+  valid = _f32(input_mask) > 0
+  kept = _f32(new_mask) > 0
+  n_tok, row_valid = jnp.sum(valid.astype(jnp.float32)), jnp.any(valid, axis=-1)
+  n_seq = jnp.sum(row_valid.astype(jnp.float32))
+  w = jnp.ones_like(lr) if cap is None else jnp.minimum(jnp.exp(lr), cap)
+  w = jnp.where(valid, w, 0.0)
+  w_mean, w_sq = masked_mean(w, valid), masked_mean(jnp.square(w), valid)
+  p = corr_lib.PREFIX
+  out = {p + "num_seqs": n_seq, p + "is_units": n_tok, p + "is_weight_mean": w_mean,
+         p + "is_weight_sq_mean": w_sq, p + "is_weight_max": _masked_max(w, valid),
+         p + "ess": corr_lib.ess(w_mean, w_sq),
+         p + "rejected_token_frac": masked_mean(valid & ~kept, valid),
+         p + "rejected_seq_frac": (jnp.sum((row_valid & ~jnp.any(kept, axis=-1))
+                                           .astype(jnp.float32)) / jnp.maximum(n_seq, 1.0))}
+  for k, v in corr_lib.token_divergences(lr).items():
+    out[p + k] = masked_mean(v, valid)
+  return out
 
 
 # ----------------------------------------------------------------------------- DAPO sampling
@@ -574,11 +685,16 @@ def combine_micro_metrics(per_micro: Mapping[str, jax.Array], n_input) -> Metric
   sums for the terms already divided by mini-batch denominators (loss, pg_loss, kl, entropy,
   num_tokens), max / min over micro-batches with tokens, and token-weighted means for the rest
   (weights: the loss mask's tokens, `num_tokens`; for the rollout-correction statistics, which
-  are means over the input mask, `n_input` [n_micro] = its tokens per micro-batch)."""
+  are means over the input mask, `n_input` [n_micro] = its tokens per micro-batch). The
+  `rollout_corr/*` metrics combine by `corrections.combine` (by IS units, rows or input
+  tokens; ESS from the combined moments)."""
   n_input = _f32(n_input)
   has = n_input > 0  # [n_micro]
-  out: Metrics = {}
+  out: Metrics = corr_lib.combine({k: v for k, v in per_micro.items()
+                                   if k.startswith(corr_lib.PREFIX)}, n_input)
   for k, v in per_micro.items():
+    if k.startswith(corr_lib.PREFIX):
+      continue
     if k in _SUM_METRICS:
       out[k] = jnp.sum(v)
     elif k in _MAX_METRICS:
