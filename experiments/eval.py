@@ -1,4 +1,4 @@
-"""Evaluate a policy on a prompt set: avg@k, pass@k and maj@k, with dense, sparse or
+r"""Evaluate a policy on a prompt set: avg@k, pass@k and maj@k, with dense, sparse or
 sparse+LoRA (DistillSparse) rollouts; sparse modes also report the tail (p5) of the exact
 acceptance rate alpha of their rollouts against the dense policy. Weighted voting side by side
 with maj@k: DeepConf trace confidence, and the ARRoL quality head for runs that trained one.
@@ -48,30 +48,38 @@ LEGEND = """\
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__,
+  from experiments._cli import show_defaults, training_presets_text
+  ap = argparse.ArgumentParser(description=__doc__, epilog=training_presets_text(),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--config", default="tiny",
-                  help="preset when no --checkpoint is given (random or model_path weights)")
+                  help="training preset or YAML/JSON config file when no --checkpoint is "
+                       "given (random or model_path weights; presets listed below)")
   ap.add_argument("--data", default=None,
                   help="JSONL/Parquet with prompt/question and answer fields (default: the "
                        "config's data)")
   ap.add_argument("--checkpoint", default=None,
                   help="a training out_dir: its newest intact checkpoint and saved config")
-  ap.add_argument("--mode", default="dense", choices=["dense", "sparse", "sparse_lora"])
+  ap.add_argument("--mode", default="dense", choices=["dense", "sparse", "sparse_lora"],
+                  help="rollouts with full attention (the policy), with the run's sparsity "
+                       "schedule (the sparse actor), or the sparse actor with its "
+                       "DistillSparse LoRA")
   ap.add_argument("--k", type=positive(int), default=4, help="samples per prompt")
-  ap.add_argument("--temperature", type=at_least(float, 0), default=1.0)
-  ap.add_argument("--top-p", type=unit_interval, default=1.0)
+  ap.add_argument("--temperature", type=at_least(float, 0), default=1.0,
+                  help="sampling temperature (0 = greedy)")
+  ap.add_argument("--top-p", type=unit_interval, default=1.0, help="nucleus mass in (0, 1]")
   ap.add_argument("--top-k", type=at_least(int, 0), default=0,
                   help="0 = off; applied before --top-p")
   ap.add_argument("--max-prompts", type=at_least(int, 0), default=0, help="0 = all")
   ap.add_argument("--json", action="store_true", help="print the result as JSON")
-  ap.add_argument("overrides", nargs="*")
+  ap.add_argument("overrides", nargs="*", help="key=value config overrides")
+  show_defaults(ap)
   args = ap.parse_intermixed_args(argv)  # flags may come after key=value overrides
 
   from sparrow_jax.run import runs
   from sparrow_jax.run.config import get_train_config, parse_overrides
   from sparrow_jax.run.evaluate import evaluate
-  from sparrow_jax.run.trainer import Trainer, build_examples, fit_prompts
+  from sparrow_jax.run.builders import build_examples, fit_prompts
+  from sparrow_jax.run.trainer import Trainer
   try:
     overrides = list(args.overrides) + ["tensorboard=false"]
     if args.mode == "sparse_lora" and not args.checkpoint:

@@ -1,4 +1,4 @@
-"""Export a trained policy as a Hugging Face directory: config.json, model.safetensors and the
+r"""Export a trained policy as a Hugging Face directory: config.json, model.safetensors and the
 tokenizer (with its chat template) beside them.
 
     python experiments/export.py --checkpoint runs/tiny                  # -> runs/tiny/hf
@@ -30,6 +30,8 @@ def main(argv=None) -> int:
   ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                   help="stored weight dtype (default: the run's export_dtype, else its "
                        "param_dtype)")
+  from experiments._cli import show_defaults
+  show_defaults(ap)
   args = ap.parse_args(argv)
 
   from sparrow_jax.models import save_pretrained

@@ -1,4 +1,4 @@
-"""Generate with the paged-KV engine (dense or block-sparse attention), from a prompt, an
+r"""Generate with the paged-KV engine (dense or block-sparse attention), from a prompt, an
 interactive chat, a trained run or a checkpoint on disk.
 
     python experiments/generate.py --config tiny --prompt "12+7="           # random weights
@@ -163,9 +163,10 @@ def _chat(args, engine, tok, lora, params_of) -> int:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__,
+  from experiments._cli import model_presets_text, show_defaults
+  ap = argparse.ArgumentParser(description=__doc__, epilog=model_presets_text(),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default="tiny", help="model preset (architecture)")
+  ap.add_argument("--config", default="tiny", help="model preset (architecture; listed below)")
   ap.add_argument("--model-path", default=None, help="HF safetensors dir or .gguf file")
   ap.add_argument("--checkpoint", default=None, help="a training out_dir (its policy)")
   ap.add_argument("--lora", action="store_true",
@@ -174,18 +175,20 @@ def main(argv=None) -> int:
                   help="prompt text (repeat for a batch)")
   ap.add_argument("--chat", action="store_true",
                   help="interactive: one user message per stdin line")
-  ap.add_argument("--max-new-tokens", type=positive(int), default=32)
+  ap.add_argument("--max-new-tokens", type=positive(int), default=32,
+                  help="tokens generated per prompt at most")
   ap.add_argument("--temperature", type=at_least(float, 0), default=0.0, help="0 = greedy")
   ap.add_argument("--top-p", type=unit_interval, default=1.0, help="nucleus mass in (0, 1]")
   ap.add_argument("--top-k", type=at_least(int, 0), default=0, help="0 = off")
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--seed", type=int, default=0, help="sampling seed")
   ap.add_argument("--no-chat-template", action="store_true",
                   help="feed the raw prompt even if the tokenizer has a chat template")
   ap.add_argument("--sparse-budget", type=positive(int), default=None,
                   help="block-sparse decode with this many top-k pages (+ reserved pages)")
   ap.add_argument("--schedule", default=None,
                   help="sparsity schedule: preset name, JSON file, constant:K or dense")
-  ap.add_argument("--landmark", default="mean", choices=["mean", "quest"])
+  ap.add_argument("--landmark", default="mean", choices=["mean", "quest"],
+                  help="page summary that scores pages (sparse decode)")
   ap.add_argument("--backend", default="auto", choices=["auto", "xla", "pallas",
                                                         "pallas_interpret", "cpu"],
                   help="decode attention (cpu: the C++ CPU kernels, docs/kernels.md)")
@@ -194,9 +197,10 @@ def main(argv=None) -> int:
                        "(bfloat16: the prefill's too)")
   ap.add_argument("--cache-dtype", default=None, choices=["float32", "bfloat16"],
                   help="KV cache dtype (default: the model's compute dtype)")
-  ap.add_argument("--page-size", type=power_of_two, default=16)
+  ap.add_argument("--page-size", type=power_of_two, default=16, help="tokens per KV page")
   ap.add_argument("--max-seq-len", type=positive(int), default=None,
                   help="context of the engine (default: prompt + new tokens; --chat: 2048)")
+  show_defaults(ap)
   args = ap.parse_args(argv)  # (bad numbers exit 2 here, before anything loads)
   if bool(args.prompt) == args.chat:
     ap.error("give --prompt (one or more) or --chat")

@@ -1,4 +1,4 @@
-"""Train a Qwen3 policy with GRPO on sparse rollouts.
+r"""Train a Qwen3 policy with GRPO on sparse rollouts.
 
     python experiments/train.py                        # the embedded `tiny` default (CPU, minutes)
     python experiments/train.py --config qwen3_1p7b model_path=/ckpt/Qwen3-1.7B data=train.jsonl

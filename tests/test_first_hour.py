@@ -35,7 +35,8 @@ def test_help_lists_presets_and_key_groups(capsys):
 def test_list_keys_has_types_and_preset_defaults(capsys):
   assert train_cli.main(["--list-keys"]) == 0
   out = capsys.readouterr().out
-  rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines() if ln.startswith("  ")}
+  rows = {ln.split()[0]: ln.split()[1:] for ln in out.splitlines()
+          if ln.startswith("  ") and not ln.startswith("   ")}  # (meanings: 6 spaces)
   assert rows["num_steps"] == ["int", "60"]  # the tiny preset's default
   assert rows["model_path"] == ["str", "or", "null", "null"]
   assert rows["distill"] == ["bool", "true"] and rows["lr"] == ["float", "0.001"]
@@ -43,6 +44,9 @@ def test_list_keys_has_types_and_preset_defaults(capsys):
   assert train_cli.main(["--config", "qwen3_1p7b", "--list-keys"]) == 0
   assert "  schedule" in (out := capsys.readouterr().out) and "qwen3-1.7b-0.86" in out
   assert train_cli.main(["--config", "nope", "--list-keys"]) == 2
+  lines = out.splitlines()  # each key's meaning on the lines under it
+  i = next(i for i, ln in enumerate(lines) if ln.split()[:1] == ["warmstart_steps"])
+  assert lines[i + 1].startswith("      Supervised steps") and "before RL" in lines[i + 1]
 
 
 def test_unknown_key_suggests_the_close_one(capsys):

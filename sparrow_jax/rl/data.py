@@ -72,6 +72,34 @@ def _get_path(record: Mapping[str, Any], key: str) -> tuple[bool, Any]:
   return True, node
 
 
+_ANSWER_NAMES = ("answer", "ground_truth", "solution", "target", "label", "final_answer")
+
+
+def _dotted_paths(node: Mapping[str, Any], depth: int = 3) -> list[str]:
+  """The paths to the leaf fields of a record, nested ones dotted (`reward_model.ground_truth`)."""
+  out = []
+  for k, v in node.items():
+    if isinstance(v, Mapping) and v and depth > 1:
+      out += [f"{k}.{p}" for p in _dotted_paths(v, depth - 1)]
+    else:
+      out.append(str(k))
+  return out
+
+
+def _missing_hint(record: Mapping[str, Any], key: str, flag: str) -> str:
+  """"record has [...]" and, when a nested field looks like the one asked for, the dotted
+  path to pass (`answer_key=reward_model.ground_truth` for verl's parquet)."""
+  nested = [p for p in _dotted_paths(record) if "." in p]
+  want = (key.split(".")[-1],) + (_ANSWER_NAMES if flag == "answer_key" else ())
+  likely = [p for p in nested if p.split(".")[-1] in want]
+  msg = f"record has {sorted(record)}"
+  if nested:
+    msg += f"; nested fields (dotted paths): {nested[:8]}"
+  if likely:
+    msg += f"; did you mean {flag}={likely[0]}?"
+  return msg
+
+
 def _to_prompt(value: Any, where: str, key: str) -> str | tuple[Message, ...]:
   if isinstance(value, str):
     return value
@@ -114,13 +142,13 @@ def _record_to_example(record: Any, where: str, default_id: str, prompt_key: str
   else:
     found, value = _get_path(record, prompt_key)
     if not found:
-      raise ValueError(f"{where}: missing field {prompt_key!r} (prompt_key); record has "
-                       f"{sorted(record)}")
+      raise ValueError(f"{where}: missing field {prompt_key!r} (prompt_key); "
+                       f"{_missing_hint(record, prompt_key, 'prompt_key')}")
   prompt = _to_prompt(value, where, prompt_key)
   found, ans = _get_path(record, answer_key)
   if not found:
-    raise ValueError(
-        f"{where}: missing field {answer_key!r} (answer_key); record has {sorted(record)}")
+    raise ValueError(f"{where}: missing field {answer_key!r} (answer_key); "
+                     f"{_missing_hint(record, answer_key, 'answer_key')}")
   answer = _to_answer(ans, where, answer_key)
   ex_id = default_id
   if id_key is not None:

@@ -244,8 +244,7 @@ class TrainConfig:
       raise ValueError(f"top_p={self.top_p}: expected in (0, 1]")
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 = off)")
-    if self.temperature < 0:
-      raise ValueError(f"temperature={self.temperature}: expected >= 0")
+    _check_trainable(self)
     if self.dual_clip_c is not None and not self.dual_clip_c > 1:
       raise ValueError(f"dual_clip_c={self.dual_clip_c!r}: expected null (off) or > 1")
     if self.arrol:
@@ -372,6 +371,20 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
 
 PRESETS: dict[str, TrainConfig] = {
     # The embedded default: random-init tiny Qwen3 + byte tokenizer, a supervised warm start
+def _check_trainable(cfg: TrainConfig) -> None:
+  """Settings under which GRPO cannot learn, refused up front (issue 50)."""
+  if isinstance(cfg.num_steps, int) and cfg.num_steps == 0:
+    raise ValueError("num_steps=0: expected at least 1 (a run trains at least one GRPO step; "
+                     "`--dry-run` plans a config without training)")
+  if cfg.temperature < 0:
+    raise ValueError(f"temperature={cfg.temperature}: expected > 0")
+  if cfg.temperature == 0:
+    raise ValueError(f"temperature=0: greedy sampling makes all group_size={cfg.group_size} "
+                     "rollouts of a prompt identical, so every advantage is 0 and GRPO learns "
+                     "nothing (and training log-probs divide by T); expected > 0, e.g. 1.0 "
+                     "(greedy decoding is for eval.py / generate.py --temperature 0)")
+
+
     # on single-digit arithmetic, then GRPO on sparse rollouts with DistillSparse on. The
     # sequences are ~9 tokens, so pages of 2 tokens make the schedule (1 top-k page + 1 bos
     # + 2 recent, layer 0 dense) really sparse. Finishes in minutes on a laptop CPU.
@@ -477,7 +490,8 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 def get_train_config(name: str, overrides: Sequence[str] = ()) -> TrainConfig:
   if name not in PRESETS:
-    raise ValueError(f"unknown training preset {name!r}; valid presets: {sorted(PRESETS)}")
+    raise ValueError(f"unknown training preset {name!r}; valid presets: {sorted(PRESETS)} "
+                     "(or a .yaml/.json config file)")
   return PRESETS[name].replace(**parse_overrides(overrides))
 
 
@@ -498,3 +512,8 @@ def config_from_dict(d: Mapping[str, Any], *, where: str = "saved config") -> Tr
     raise ValueError(f"{where}: unknown config keys {unknown}{hint}; expected TrainConfig "
                      "fields")
   return TrainConfig(**dict(d))
+  """A preset by name, or a YAML/JSON config file (`run/config_file.py`; a run's own
+  config.json too), with `key=value` overrides on top."""
+  from sparrow_jax.run import config_file
+  if name not in PRESETS and config_file.is_config_file(name):
+    return config_file.load_config_file(name, parse_overrides(overrides))
