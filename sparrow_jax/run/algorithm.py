@@ -26,7 +26,12 @@ def loss_config(cfg: TrainConfig) -> grpo.GRPOLossConfig:
       agg=cfg.loss_agg, norm_len=cfg.max_new_tokens if cfg.loss_agg.endswith("norm") else None,
       kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coeff=cfg.entropy_coeff,
       tis_cap=cfg.tis_cap, tis_mask_threshold=cfg.tis_mask_threshold,
-      tis_mask_low=cfg.tis_mask_low)
+      tis_mask_low=cfg.tis_mask_low, rollout_is=cfg.rollout_is,
+      rollout_is_threshold=cfg.rollout_is_threshold,
+      rollout_is_batch_normalize=cfg.rollout_is_batch_normalize, rollout_rs=cfg.rollout_rs,
+      rollout_rs_threshold=cfg.rollout_rs_threshold,
+      rollout_token_veto_threshold=cfg.rollout_token_veto_threshold,
+      rollout_mode=cfg.rollout_mode)
 
 
 def distill_config(cfg: TrainConfig) -> distill_lib.DistillConfig | None:

@@ -117,6 +117,26 @@ class TrainConfig:
   tis_mask_threshold: float | None = None
   # Lower bound of the TIS mask's kept band (null = 1 / tis_mask_threshold; needs the threshold)
   tis_mask_low: float | None = None
+  # Rollout correction (verl's keys; docs/rollout_correction.md; exclusive with tis_*).
+  # IS weights on the loss: null | token (rho_t = pi_old/pi_rollout) | sequence (prod_t rho_t)
+  # | geometric (exp(mean_t log rho_t))
+  rollout_is: str | None = None
+  # IS bound: "C" truncates the weights at C; "lo_hi" (e.g. 0.5_5.0) is IcePop: weights
+  # outside [lo, hi] set to 0, tokens kept in the mask
+  rollout_is_threshold: str = "2.0"
+  rollout_is_batch_normalize: bool = False  # divide the IS weights by their mini-batch mean
+  # Rejection: comma-separated statistics, each drops tokens or whole sequences outside its
+  # threshold: token | sequence | geometric (ratio bands), token_k1/k2/k3, seq_sum_k1/k2/k3,
+  # seq_mean_k1/k2/k3, seq_max_k2/k3 (KL(pi_rollout || pi_old) estimators); null = none
+  rollout_rs: str | None = None
+  # One per rollout_rs statistic (or one for all), comma-separated: "hi" (ratios: kept in
+  # [1/hi, hi]; k2/k3: <= hi; k1: |k1| <= hi) or "lo_hi" (kept in [lo, hi])
+  rollout_rs_threshold: str | None = None
+  # Sparse-RL's sparsity-aware rejection: drop a sequence with any rho_t < this (e.g. 1e-4)
+  rollout_token_veto_threshold: float | None = None
+  # decoupled: three policies, rho against the dense recompute; bypass: pi_old = pi_rollout
+  # (no recompute; the PPO ratio is pi_theta / pi_rollout; rollout_rs then uses sg(pi_theta))
+  rollout_mode: str = "decoupled"
   dynamic_sampling: bool = False
   max_refill_rounds: int = 4  # extra rollout rounds to refill dropped groups (0 = no refill)
   max_bad_steps: int = 3  # NaN/inf steps in a row before the run stops
@@ -331,11 +351,14 @@ class TrainConfig:
     """The dense recompute is redundant: one optimizer step per rollout batch (one epoch,
     one mini-batch), so the old log-probs equal the update's own forward under
     stop_gradient (verl skips it too). It is kept when something needs the old log-probs
-    before the update: DistillSparse's teacher, or the TIS mask that shapes the loss's
-    denominators."""
+    before the update: DistillSparse's teacher, or the TIS mask / decoupled rollout
+    rejection that shapes the loss's denominators, or the IS batch normaliser."""
+    decoupled_pre = self.rollout_mode == "decoupled" and (
+        self.rollout_rs is not None or self.rollout_token_veto_threshold is not None
+        or self.rollout_is_batch_normalize)
     return (self.skip_redundant_recompute and self.ppo_epochs == 1
             and self.mini_batch == self.batch_size and not self.distill
-            and self.tis_mask_threshold is None)
+            and self.tis_mask_threshold is None and not decoupled_pre)
 
   def replace(self, **kw) -> "TrainConfig":
     return dataclasses.replace(self, **kw)
