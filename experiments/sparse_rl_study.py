@@ -19,7 +19,8 @@ RUNS/calib/schedule.json, which the arm then uses unless `--tau-schedule` names 
 RUNS/calib_margin: `--calibrate --arms tau_margin`; the arm trains and is judged at tau, so
 the margin is headroom for bins the calibration left at tau exactly);
 `aggressive` (`--aggressive`, default constant:2, whose p5 lies well under tau at these
-lengths); `aggressive_distill` (the same with DistillSparse). Every arm of a seed trains from the same start on the same prompts in
+lengths); `aggressive_distill` (the same with DistillSparse); and `CORRECTION_ARMS`, e.g.
+`aggressive_sparse_rl`: a base arm plus rollout-correction keys (docs/rollout_correction.md). Every arm of a seed trains from the same start on the same prompts in
 the same order (the data order and request seeds follow the run seed).
 
 Each (arm, seed) trains into RUNS/ARM_sSEED with `experiments/train.py` in a subprocess
@@ -55,7 +56,15 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-ARMS = ("dense", "tau", "tau_margin", "aggressive", "aggressive_distill")
+from sparrow_jax.rl.corrections import PRESETS as CORRECTION_PRESETS  # noqa: E402
+
+# Arms with a rollout correction (issue 48; docs/rollout_correction.md): a base arm plus one
+# dict of correction keys, e.g. `aggressive_sparse_rl` = the aggressive schedule with
+# Sparse-RL's correction. A new arm is one entry: name -> (base arm, {key: value}).
+CORRECTION_ARMS: dict[str, tuple[str, dict]] = {
+    f"{base}_{name}": (base, keys) for base in ("aggressive", "aggressive_distill")
+    for name, keys in CORRECTION_PRESETS.items()}
+ARMS = ("dense", "tau", "tau_margin", "aggressive", "aggressive_distill") + tuple(CORRECTION_ARMS)
 # The calibrated arms: RUNS/<dir>/schedule.json unless the flag names another file.
 CALIB_DIRS = {"tau": "calib", "tau_margin": "calib_margin"}
 CALIB_FLAGS = {"tau": "--tau-schedule", "tau_margin": "--tau-margin-schedule"}
@@ -64,7 +73,14 @@ BASE = ["exact_alpha_every=1", "tensorboard=false", "sample_every=0", "save_ever
         "keep_last=2"]
 
 
+def _key_value(key: str, value) -> str:
+  return f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+
+
 def arm_overrides(arm: str, args) -> list[str]:
+  if arm in CORRECTION_ARMS:
+    base, keys = CORRECTION_ARMS[arm]
+    return arm_overrides(base, args) + [_key_value(k, v) for k, v in keys.items()]
   if arm == "dense":
     return ["schedule=dense", "distill=false"]
   if arm in CALIB_DIRS:
@@ -260,6 +276,10 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
       "steps_exact_below_tau": sum(v < tau for v in exact),
       "tis_frac_above_cap_mean": _mean(get("tis/frac_above_cap")),
       "tis_kl_mean": _mean(get("tis/kl_rollout_vs_policy")),
+      # the rollout correction's per-step ESS / N and rejected token fraction (None without)
+      "ess": get("rollout_corr/ess"), "rejected_frac": get("rollout_corr/rejected_token_frac"),
+      "ess_mean": _mean(get("rollout_corr/ess")),
+      "rejected_frac_mean": _mean(get("rollout_corr/rejected_token_frac")),
       # the teacher-forced sparse actor replaying the engine's sampled-token log-probs
       "replay_logp_maxdiff": get("mismatch/replay_logp_maxdiff"),
       "replay_frac_off": get("mismatch/replay_frac_off"),
