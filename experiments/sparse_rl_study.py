@@ -20,8 +20,9 @@ RUNS/calib_margin: `--calibrate --arms tau_margin`; the arm trains and is judged
 the margin is headroom for bins the calibration left at tau exactly);
 `aggressive` (`--aggressive`, default constant:2, whose p5 lies well under tau at these
 lengths); `aggressive_distill` (the same with DistillSparse); and `CORRECTION_ARMS`, e.g.
-`aggressive_sparse_rl`: a base arm plus rollout-correction keys (docs/rollout_correction.md). Every arm of a seed trains from the same start on the same prompts in
-the same order (the data order and request seeds follow the run seed).
+`aggressive_sparse_rl`: a base arm plus rollout-correction keys (docs/rollout_correction.md).
+Every arm of a seed trains from the same start on the same prompts in the same order (the data
+order and request seeds follow the run seed).
 
 Each (arm, seed) trains into RUNS/ARM_sSEED with `experiments/train.py` in a subprocess
 (a checkpoint every 2 steps, the last 2 kept; a run that stopped is continued with --resume, so an

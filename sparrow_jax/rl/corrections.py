@@ -353,8 +353,9 @@ def apply(spec: CorrectionSpec, target_logp: jax.Array, rollout_logp: jax.Array,
   micro-batches; None computes it over this batch. Metrics (prefix `rollout_corr/`), over
   the input mask: is_weight_mean / is_weight_sq_mean / is_weight_max / ess (ESS / N =
   mean(w)^2 / mean(w^2)) over the IS units, rejected_token_frac, rejected_seq_frac (valid rows
-  left without a token), rs_<name>_frac (valid tokens it rejects) per statistic, veto_seq_frac, k1 / k2 / k3
-  (token means), num_seqs and is_units (counts, for `combine_micro_metrics`).
+  left without a token), rs_<name>_frac (valid tokens it rejects) per statistic,
+  veto_seq_frac, k1 / k2 / k3 (token means), num_seqs and is_units (counts, for
+  `combine_micro_metrics`).
   """
   if target_logp.shape != rollout_logp.shape or target_logp.shape != mask.shape:
     raise ValueError(f"rollout correction: target log-probs {target_logp.shape}, rollout_logp "
