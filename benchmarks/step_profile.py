@@ -4,8 +4,8 @@
     python benchmarks/step_profile.py --steps 2 max_new_tokens=256 prompts_per_step=2
     python benchmarks/step_profile.py --config smollm2_135m_study --profile /tmp/prof
 
-The step is the trainer's own (`run/stages.py`: `run_step` over the PIPELINE, times from the
-StepBatch's `sb.times`); this script only adds two things around every stage:
+The step is the trainer's own (`Trainer.run_step` over its pipeline, times from the
+StepRecord's `rec.times`); this script only adds two things around every stage:
 
 * compile time, from jax's own compile events (tracing, lowering, XLA backend compile), so
   that a stage's time is shown with compilation apart: step 1 compiles almost everything; a
@@ -129,7 +129,7 @@ def forward_work(m: dict, rows: int, length: int, param_bytes: int,
 
 def phase_work(tr, sb, m: dict, param_bytes: int) -> dict[str, tuple[float, float]]:
   """{phase: (FLOPs, bytes)} of the work one step did (see the module docstring)."""
-  comps = sb.gen["completions"] + list(sb.gen["pruned"])
+  comps = sb.batch.info.completions + list(sb.batch.info.pruned)
   out = {}
   # Rollout: prefill of every prompt + decode of every new token.
   fl = by = 0.0
@@ -139,10 +139,10 @@ def phase_work(tr, sb, m: dict, param_bytes: int) -> dict[str, tuple[float, floa
   new = sum(len(c.token_ids) for c in comps)
   ctx = np.mean([len(c.prompt_ids) + len(c.token_ids) / 2 for c in comps]) if comps else 0
   fl += new * (2 * (m["layers"] * m["layer_params"] + m["lm_params"]) + m["attn"] * ctx)
-  steps = sb.gen["engine"].get("decode_steps", 0)
+  steps = sb.batch.info.engine.get("decode_steps", 0)
   by += steps * param_bytes + new * ctx * m["kv_token_bytes"]
   out["rollout"] = (fl, by)
-  lengths = sb.arrays["lengths"]
+  lengths = sb.batch.lengths
   # The LM head's window (run/programs.py), where this checkout's programs have one.
   import inspect
   from sparrow_jax.run import programs
@@ -157,7 +157,7 @@ def phase_work(tr, sb, m: dict, param_bytes: int) -> dict[str, tuple[float, floa
   passes = 4 if tr.cfg.remat else 3
   fl = by = 0.0
   for s in range(0, len(lengths), tr.cfg.mini_batch):
-    for mb in tr.update_plan(lengths[s:s + tr.cfg.mini_batch]):
+    for mb in tr.learner.update_plan(lengths[s:s + tr.cfg.mini_batch]):
       f, b = forward_work(m, mb.rows, mb.length, param_bytes, head)
       fl, by = fl + passes * f, by + passes * b
     by += 7 * param_bytes  # Adam: read p, g, m, v; write p, m, v
@@ -167,22 +167,21 @@ def phase_work(tr, sb, m: dict, param_bytes: int) -> dict[str, tuple[float, floa
 
 # --- the step -------------------------------------------------------------------------------
 
-def timed_pipeline(clock: CompileClock, record: dict, profile: tuple[str, str] | None = None):
-  """The trainer's PIPELINE with every stage wrapped to record its compile seconds and
-  compile events into `record[name]`; `profile=(stage, dir)` traces that stage."""
-  from sparrow_jax.run import stages
+def stage_wrapper(clock: CompileClock, record: dict, profile: tuple[str, str] | None = None):
+  """A `wrap(name, fn)` for `Trainer.run_step`: every phase of the step records its compile
+  seconds and compile events into `record[name]`; `profile=(stage, dir)` traces that stage."""
 
   def wrap(name, fn):
-    def run(tr, sb):
+    def run(rec):
       s0, e0 = clock.seconds, clock.events
       ctx = (jax.profiler.trace(profile[1]) if profile and profile[0] == name
              else contextlib.nullcontext())
       with ctx:
-        fn(tr, sb)
+        fn(rec)
       record[name] = (clock.seconds - s0, clock.events - e0)
     return run
 
-  return tuple((name, wrap(name, fn)) for name, fn in stages.PIPELINE)
+  return wrap
 
 
 def main(argv=None) -> int:
@@ -198,7 +197,6 @@ def main(argv=None) -> int:
     print(f"error: --steps={args.steps}; expected >= 2 (step 1 compiles)", file=sys.stderr)
     return 2
 
-  from sparrow_jax.run import stages
   from sparrow_jax.run.config import get_train_config
   from sparrow_jax.run.trainer import Trainer
 
@@ -224,20 +222,19 @@ def main(argv=None) -> int:
   with tr:
     for _ in range(args.steps):
       record = {}
-      sb = stages.run_step(tr, tr.step + 1, pipeline=timed_pipeline(clock, record))
-      tr.step = sb.step
+      sb = tr.run_step(wrap=stage_wrapper(clock, record))
       steps.append((sb, record))
       print(f"# step {sb.step}: {sb.out['time/step_s']:.1f} s, "
             f"{sum(c for c, _ in record.values()):.1f} s compiling, "
-            f"{int(np.sum(sb.arrays['lengths']))} tokens in {len(sb.arrays['lengths'])} rows, "
+            f"{int(np.sum(sb.batch.lengths))} tokens in {len(sb.batch.lengths)} rows, "
             f"responses {sb.out['response/len_mean']:.0f} mean / "
             f"{sb.out['response/len_max']} max, {sb.out['batch/micro_batches']} update "
             f"micro-batches, padding {sb.out['batch/padding_frac']:.0%}", flush=True)
     profile_dir = None
     steady = steps[1:]
     med = lambda xs: statistics.median(xs) if xs else 0.0
-    names = [n for n, _ in stages.PIPELINE]
-    # `generate` is rollout + reward in the StepBatch's times: show them apart.
+    names = [n for n, _ in tr.pipeline()]
+    # `generate` is rollout + reward in the StepRecord's times: show them apart.
     rows = ["rollout", "reward"] + [n for n in names if n != "generate"]
     stage_of = {"rollout": "generate", "reward": "generate"}
     t_of = lambda sb, n: sb.times.get(n, 0.0)
@@ -277,9 +274,7 @@ def main(argv=None) -> int:
     if args.profile:
       profile_dir = os.path.abspath(args.profile)
       record = {}
-      sb = stages.run_step(tr, tr.step + 1,
-                           pipeline=timed_pipeline(clock, record, (worst, profile_dir)))
-      tr.step = sb.step
+      sb = tr.run_step(wrap=stage_wrapper(clock, record, (worst, profile_dir)))
       print(f"\n# profile of stage {worst!r} ({sb.times.get(worst, 0.0):.1f} s in step "
             f"{sb.step}) written to {profile_dir} (tensorboard --logdir / xprof)")
   return 0

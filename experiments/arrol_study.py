@@ -42,7 +42,8 @@ def run_variant(name: str, seed: int, keys: list[str], out_dir: str, k: int):
   from sparrow_jax.run.config import get_train_config
   from sparrow_jax.run.evaluate import evaluate
   from sparrow_jax.run.metrics import read_jsonl
-  from sparrow_jax.run.trainer import Trainer, build_examples, fit_prompts
+  from sparrow_jax.run.builders import build_examples, fit_prompts
+  from sparrow_jax.run.trainer import Trainer
 
   run_dir = f"{out_dir}/{name}_s{seed}"
   cfg = get_train_config("tiny", BASE + VARIANTS[name] + keys + [f"seed={seed}",

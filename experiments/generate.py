@@ -51,7 +51,7 @@ def _load(args):
     raise ValueError("--lora needs --checkpoint (the run whose sparse actor trained it)")
   path = args.model_path
   if path is None and get_config(args.config).name == "smollm2_135m":
-    from sparrow_jax.run.trainer import smollm2_gguf_path
+    from sparrow_jax.run.builders import smollm2_gguf_path
     path = smollm2_gguf_path()
     if path is None:
       raise FileNotFoundError("--config smollm2_135m needs --model-path or the shipped GGUF: "

@@ -15,7 +15,7 @@ preset's real rollouts and whether the disagreements are such flips:
 1. `--rounds` rounds of the preset's rollouts (the starting policy: no training), with the
    schedule of the preset or of a `schedule=` override;
 2. per token, |log q_engine(y_t) - log q_teacher_forced(y_t)| at the rollout temperature
-   (`Trainer.token_alpha(..., with_logp=True)`), as `mismatch/replay_*` logs it;
+   (`Learner.token_alpha(..., with_logp=True)`), as `mismatch/replay_*` logs it;
 3. for every row with a token off by more than `--threshold`, the teacher-forced forward again
    with every layer's selection margin recorded: (s_k - s_{k+1}) / |s_k| between the last
    selected and the first unselected candidate page, min over the sparse layers and kv heads,
@@ -119,10 +119,10 @@ def main(argv=None) -> int:
     return 2
   rows, t0 = [], time.perf_counter()
   for r in range(args.rounds):
-    comps, _, _ = tr.generate_groups(r + 1)
-    a = tr.make_batch(comps)
-    tr.engine_release()
-    _, logp = tr.token_alpha(a, tr.schedule, None, with_logp=True)
+    comps, _, _, _ = tr.producer.generate_groups(r + 1)
+    a = tr.make_batch(comps).arrays()
+    tr.rollout.release()
+    _, logp = tr.learner.token_alpha(tr.params, a, tr.schedule, None, with_logp=True)
     diff = replay_diff(logp, a["rollout_logp"], a["mask"])  # [B, T], 0 off the responses
     m = a["mask"] > 0
     for j in range(len(comps)):

@@ -40,7 +40,8 @@ def main(argv=None) -> int:
   from sparrow_jax.rl import rewards as R
   from sparrow_jax.run.builders import encode_prompt
   from sparrow_jax.run.config import get_train_config
-  from sparrow_jax.run.trainer import Trainer, build_examples, fit_prompts
+  from sparrow_jax.run.builders import build_examples, fit_prompts
+  from sparrow_jax.run.trainer import Trainer
   try:
     cfg = get_train_config(args.config, list(args.overrides) + [
         "tensorboard=false", "schedule=dense", "distill=false", "arrol=false"])

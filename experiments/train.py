@@ -207,7 +207,8 @@ def _train(args) -> int:
   if found and not args.overwrite:  # refused before any work
     return _err(f"out_dir {cfg.out_dir} already holds a run ({', '.join(found)}); pass "
                 "--resume to continue it or --overwrite to delete it and start over")
-  from sparrow_jax.run.trainer import Trainer, TrainingInterrupted, TrainingStopped, preflight
+  from sparrow_jax.run.builders import preflight
+  from sparrow_jax.run.trainer import Trainer, TrainingInterrupted, TrainingStopped
   try:
     checked = preflight(cfg)  # data, reward, schedule, ... before the model is built
     if found and distributed.is_writer():

@@ -24,7 +24,7 @@ PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "arith_eval.json
 
 def held_out_lines() -> list[str]:
   from sparrow_jax.run.config import get_train_config
-  from sparrow_jax.run.trainer import build_examples
+  from sparrow_jax.run.builders import build_examples
 
   cfg = get_train_config("tiny")
   train = {e.prompt for e in build_examples(cfg)}

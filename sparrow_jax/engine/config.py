@@ -158,3 +158,8 @@ class Completion:
   quality_logit: float | None = None  # head logit at the detection point (prune hook)
   detect_hidden: np.ndarray | None = None  # [D] final-normed hidden state there
   detect_index: int = -1  # generated-token index of that point (-1: none)
+  # The policy version that sampled each token [n] int32 (None: one version for the whole
+  # sequence, stamped by the producer) and which tokens the policy generated [n] (1) or an
+  # environment appended (0); None = every token is the policy's.
+  versions: np.ndarray | None = None
+  loss_mask: np.ndarray | None = None

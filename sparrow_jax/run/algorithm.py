@@ -1,5 +1,6 @@
 """One place from `TrainConfig` to the algorithm's own configs: the GRPO loss, DistillSparse,
-its LoRA and optimizer, ARRoL and the rollout temperature. The trainer and the compile plan
+its LoRA and optimizer, the rollout engine and the rollout temperature (ARRoL's:
+`TrainConfig.arrol_config`). The trainer and the compile plan
 both call these, so a key reaches the same setting in the run and in its memory plan.
 """
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import optax
 
+from sparrow_jax.engine.config import EngineConfig
 from sparrow_jax.models import lora as lora_lib
 from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl import grpo
@@ -56,3 +58,15 @@ def distill_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 def lora_config(cfg: TrainConfig) -> lora_lib.LoRAConfig:
   return lora_lib.LoRAConfig(rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets)
+
+
+def engine_config(cfg: TrainConfig, **pool) -> EngineConfig:
+  """The rollout engine of a run; `pool`: its KV pool (`kv_cache_bytes=` or `num_pages=`,
+  from the memory plan) and any field to override (the compile plan's abstract engine passes
+  `cpu_decode_weights=None`)."""
+  kw = dict(num_slots=cfg.num_slots, max_seq_len=cfg.max_prompt_len + cfg.max_new_tokens,
+            page_size=cfg.page_size, decode_chunk=cfg.decode_chunk,
+            max_prefill_tokens=cfg.max_prefill_tokens, logprobs_topk=cfg.monitor_topk,
+            cpu_decode_weights=cfg.cpu_decode_weights or None,
+            cache_dtype=cfg.kv_cache_dtype or None)
+  return EngineConfig(**{**kw, **pool})

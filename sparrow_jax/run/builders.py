@@ -1,7 +1,7 @@
 """Building blocks of a training run, resolved from a `TrainConfig` before (or without) a
 `Trainer`: the model and tokenizer, the schedule, the prompt set, up-front validation
 (`preflight`: everything checkable before weights load), prompt encoding and length filtering,
-the optimizer and its guarded update. `trainer.py` re-exports them."""
+the optimizer (its guarded update is `programs.guarded_apply`). `trainer.py` re-exports them."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ import os
 import sys
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sparrow_jax.args import pow2_bucket
 from sparrow_jax.models.config import ModelConfig, get_config
 from sparrow_jax.models.decoder import Decoder, init_model
 from sparrow_jax.rl import data as data_lib
+from sparrow_jax.rl.advantages import ADVANTAGES
 from sparrow_jax.rl import rewards as rewards_lib
 from sparrow_jax.run import sharding as sh
 from sparrow_jax.run.config import TrainConfig
+from sparrow_jax.run.programs import guarded_apply as _guarded_apply  # noqa: F401 (trainer.py)
 from sparrow_jax.rl.tokenizers import ByteTokenizer
-from sparrow_jax.schedule.schedule import SparsitySchedule, parse_schedule
+from sparrow_jax.schedule.presets import parse_schedule
+from sparrow_jax.schedule.schedule import SparsitySchedule
 
 
 def smollm2_gguf_path() -> str | None:
@@ -37,9 +39,26 @@ def smollm2_gguf_path() -> str | None:
   return path if os.path.exists(path) else None
 
 
+# `model_path=random` (vLLM's load_format=dummy): the `model` preset's shapes with random
+# weights and a byte tokenizer, for benchmarks and dry runs; every output says so.
+RANDOM_WEIGHTS = "random"
+
+
+def random_weights_note(cfg: TrainConfig) -> str | None:
+  """The line that labels a `model_path=random` run (None for any other run)."""
+  if cfg.model_path != RANDOM_WEIGHTS:
+    return None
+  return (f"weights: RANDOM (model_path=random): {cfg.model} at its preset's shapes with "
+          "random weights and a byte tokenizer, for benchmarks and dry runs; its rewards and "
+          "outputs say nothing about the real model")
+
+
 def _weights_path(cfg: TrainConfig) -> str | None:
-  """Where the policy's weights come from (None: random init of `tiny`); raises naming the
-  missing source. One rule for `preflight` and `build_model`."""
+  """Where the policy's weights come from (None: random init of `tiny`, or any preset with
+  `model_path=random`); raises naming the missing source. One rule for `preflight` and
+  `build_model`."""
+  if cfg.model_path == RANDOM_WEIGHTS:
+    return None
   if cfg.model_path:
     if not os.path.exists(cfg.model_path):
       raise FileNotFoundError(f"model_path={cfg.model_path!r} does not exist")
@@ -52,7 +71,9 @@ def _weights_path(cfg: TrainConfig) -> str | None:
     return path
   if get_config(cfg.model).name != "tiny":
     raise ValueError(f"model={cfg.model!r} needs model_path= (an HF directory or .gguf file); "
-                     "only the 'tiny' preset trains from random initialisation")
+                     "only the 'tiny' preset trains from random initialisation without it "
+                     "(model_path=random: the preset's shapes with random weights, for "
+                     "benchmarks and dry runs)")
   return None
 
 
@@ -80,8 +101,14 @@ def build_model(cfg: TrainConfig) -> tuple[Decoder, Any]:
     return model, load_tokenizer(path)
   mcfg = get_config(cfg.model, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
   tok = ByteTokenizer()
-  mcfg = mcfg.replace(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_ids=(tok.eos_token_id,),
-                      pad_token_id=tok.pad_token_id)
+  ids = dict(bos_token_id=tok.bos_token_id, eos_token_ids=(tok.eos_token_id,),
+             pad_token_id=tok.pad_token_id)
+  note = random_weights_note(cfg)
+  if note:  # the preset's vocabulary too (ids past the bytes decode to nothing)
+    print(note, file=sys.stderr, flush=True)
+    mcfg = mcfg.replace(**ids)
+  else:
+    mcfg = mcfg.replace(vocab_size=tok.vocab_size, **ids)
   return init_model(mcfg, seed=cfg.seed), tok
 
 
@@ -148,10 +175,20 @@ def preflight(cfg: TrainConfig, *, with_dataset: bool = True) -> Preflight:
   _weights_path(cfg)
   schedule = build_schedule(cfg)  # (dense_layers too)
   ladder = tuple(build_schedule(cfg, x.strip()) for x in cfg.ladder.split(",") if x.strip())
+  from sparrow_jax.schedule.checks import decreasing_budgets_warning
+  for sched in (schedule, *ladder):
+    warning = decreasing_budgets_warning(sched)
+    if warning:
+      import logging
+      logging.getLogger(__name__).warning(warning)
   if cfg.distill and schedule.is_dense:
     raise ValueError("distill=true needs a sparse schedule (the LoRA serves the sparse "
                      f"actor), got schedule={cfg.schedule!r}")
   reward_fn = rewards_lib.get_reward(cfg.reward)
+  try:
+    ADVANTAGES.get(cfg.adv_estimator)
+  except ValueError as e:
+    raise ValueError(f"adv_estimator={cfg.adv_estimator!r}: {e}") from None
   sh.parse_mesh(cfg.mesh)
   if "wandb" in cfg.loggers:
     try:
@@ -206,7 +243,8 @@ def _frac_zero_var(rewards, group_ids) -> float:
 
 
 def _bucket(n: int, minimum: int = 32) -> int:
-  return max(minimum, 1 << max(0, (int(n) - 1).bit_length()))
+  """`args.pow2_bucket` with the SFT warm start's floor of 32 tokens (trainer.py's name)."""
+  return pow2_bucket(n, minimum)
 
 
 def make_optimizer(cfg: TrainConfig, lr: float | None = None, total_steps: int | None = None):
@@ -224,16 +262,6 @@ def make_optimizer(cfg: TrainConfig, lr: float | None = None, total_steps: int |
                    optax.adamw(sched, b1=0.9, b2=0.999, eps=cfg.adam_eps,
                                weight_decay=cfg.weight_decay))
   return tx, sched
-
-
-def _guarded_apply(tx, params, opt_state, grads, loss):
-  """Apply the update only when loss and gradients are finite (else keep everything)."""
-  gnorm = optax.global_norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(gnorm)
-  updates, new_opt = tx.update(grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
-  return keep(new_params, params), keep(new_opt, opt_state), ok, gnorm
 
 
 # --- the trainer ---------------------------------------------------------------------------

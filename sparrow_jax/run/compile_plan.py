@@ -32,7 +32,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from sparrow_jax.engine.config import EngineConfig
 from sparrow_jax.engine.engine import GenerationEngine
 from sparrow_jax.engine.steps import AXIS
 from sparrow_jax.models import attention as attn_lib
@@ -230,12 +229,8 @@ def rollout_phases(cfg: TrainConfig, mesh, plan, *,
   mcfg = model_config(cfg)
   model = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))
   schedule = build_schedule(cfg)
-  max_len = cfg.max_prompt_len + cfg.max_new_tokens
   attention = attention_spec(schedule, backend="xla", landmark_dtype=cfg.landmark_dtype)
-  ecfg = EngineConfig(num_slots=cfg.num_slots, max_seq_len=max_len, page_size=cfg.page_size,
-                      decode_chunk=cfg.decode_chunk, logprobs_topk=cfg.monitor_topk,
-                      max_prefill_tokens=cfg.max_prefill_tokens,
-                      num_pages=plan.kv_pool_pages, cache_dtype=cfg.kv_cache_dtype or None)
+  ecfg = algorithm.engine_config(cfg, num_pages=plan.kv_pool_pages, cpu_decode_weights=None)
   eng = _AbstractEngine(model, ecfg, attention=attention,
                         schedule=None if schedule.is_dense else schedule, mesh=mesh)
   d, b = eng.num_shards, ecfg.num_slots

@@ -55,6 +55,7 @@ class TrainConfig:
   temperature: float = 1.0  # T: also divides the logits of every training-side log-prob
   top_p: float = 1.0  # sampling only: training log-probs use the full tempered distribution
   top_k: int = 0  # sampling only, like top_p (0 = off); applied before top_p, as vLLM does
+  ignore_eos: bool = False  # rollouts always run to max_new_tokens (vLLM's ignore_eos)
   schedule: str = "dense"  # preset name | JSON path | constant:K | dense
   page_size: int = 16
   landmark: str = "mean"
@@ -110,6 +111,7 @@ class TrainConfig:
   dual_clip_c: float | None = 3.0  # c; null turns the dual clip off
   loss_agg: str = "token-mean"
   normalize_adv_std: bool = True  # False = Dr.GRPO
+  adv_estimator: str = "grpo"  # grpo | rloo (rl/advantages.py)
   kl_coef: float = 0.0
   kl_kind: str = "low_var_kl"
   entropy_coeff: float = 0.0
@@ -370,6 +372,20 @@ class TrainConfig:
 LOGGERS = ("tensorboard", "wandb")
 
 
+def _check_trainable(cfg: TrainConfig) -> None:
+  """Settings under which GRPO cannot learn, refused up front (issue 50)."""
+  if isinstance(cfg.num_steps, int) and cfg.num_steps == 0:
+    raise ValueError("num_steps=0: expected at least 1 (a run trains at least one GRPO step; "
+                     "`--dry-run` plans a config without training)")
+  if cfg.temperature < 0:
+    raise ValueError(f"temperature={cfg.temperature}: expected > 0")
+  if cfg.temperature == 0:
+    raise ValueError(f"temperature=0: greedy sampling makes all group_size={cfg.group_size} "
+                     "rollouts of a prompt identical, so every advantage is 0 and GRPO learns "
+                     "nothing (and training log-probs divide by T); expected > 0, e.g. 1.0 "
+                     "(greedy decoding is for eval.py / generate.py --temperature 0)")
+
+
 _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=2048,
             max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=64,
             lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
@@ -392,22 +408,17 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
             # headroom, and on the GPU it covers library workspaces.
             kv_cache_fraction=0.8)
 
+# Per-model memory knobs on top of _GPU, so each preset's step compiled for its device count
+# (`--dry-run --compile`: 4 / 8 / 16 H200s for 4B / 8B / 14B) fits with >= 5% headroom
+# (BENCHMARKS.md, "Every Qwen3 preset compiled", 2026-12-05). The XLA decode chunk gathers
+# every slot's pages: its temporaries scale with num_slots, so 8B and 14B take the slots their
+# 256 rollouts need per device (256 / 8, 256 / 16); 4B, at 64 per device, a smaller pool.
+_GPU_MEMORY: dict[str, dict] = {"qwen3_4b": dict(kv_cache_fraction=0.75),
+                                "qwen3_8b": dict(num_slots=32),
+                                "qwen3_14b": dict(num_slots=16)}
+
 PRESETS: dict[str, TrainConfig] = {
     # The embedded default: random-init tiny Qwen3 + byte tokenizer, a supervised warm start
-def _check_trainable(cfg: TrainConfig) -> None:
-  """Settings under which GRPO cannot learn, refused up front (issue 50)."""
-  if isinstance(cfg.num_steps, int) and cfg.num_steps == 0:
-    raise ValueError("num_steps=0: expected at least 1 (a run trains at least one GRPO step; "
-                     "`--dry-run` plans a config without training)")
-  if cfg.temperature < 0:
-    raise ValueError(f"temperature={cfg.temperature}: expected > 0")
-  if cfg.temperature == 0:
-    raise ValueError(f"temperature=0: greedy sampling makes all group_size={cfg.group_size} "
-                     "rollouts of a prompt identical, so every advantage is 0 and GRPO learns "
-                     "nothing (and training log-probs divide by T); expected > 0, e.g. 1.0 "
-                     "(greedy decoding is for eval.py / generate.py --temperature 0)")
-
-
     # on single-digit arithmetic, then GRPO on sparse rollouts with DistillSparse on. The
     # sequences are ~9 tokens, so pages of 2 tokens make the schedule (1 top-k page + 1 bos
     # + 2 recent, layer 0 dense) really sparse. Finishes in minutes on a laptop CPU.
@@ -447,7 +458,8 @@ def _check_trainable(cfg: TrainConfig) -> None:
         out_dir="runs/smollm2_135m_study", mismatch_bin_size=32, save_every=10,
         # Two length buckets per octave: fewer compiled update shapes (each ~10-20 s here).
         remat=True, max_tokens_per_micro_batch=4096, length_buckets_per_octave=2),
-    **{name: TrainConfig(model=name, schedule=sched, out_dir=f"runs/{name}", **_GPU)
+    **{name: TrainConfig(model=name, schedule=sched, out_dir=f"runs/{name}",
+                         **{**_GPU, **_GPU_MEMORY.get(name, {})})
        for name, sched in [("qwen3_0p6b", "qwen3-1.7b-0.86"), ("qwen3_1p7b", "qwen3-1.7b-0.86"),
                            ("qwen3_4b", "qwen3-4b-0.86"), ("qwen3_8b", "qwen3-8b-0.86"),
                            ("qwen3_14b", "qwen3-14b-0.86")]},
@@ -512,6 +524,11 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 
 
 def get_train_config(name: str, overrides: Sequence[str] = ()) -> TrainConfig:
+  """A preset by name, or a YAML/JSON config file (`run/config_file.py`; a run's own
+  config.json too), with `key=value` overrides on top."""
+  from sparrow_jax.run import config_file
+  if name not in PRESETS and config_file.is_config_file(name):
+    return config_file.load_config_file(name, parse_overrides(overrides))
   if name not in PRESETS:
     raise ValueError(f"unknown training preset {name!r}; valid presets: {sorted(PRESETS)} "
                      "(or a .yaml/.json config file)")
@@ -535,8 +552,3 @@ def config_from_dict(d: Mapping[str, Any], *, where: str = "saved config") -> Tr
     raise ValueError(f"{where}: unknown config keys {unknown}{hint}; expected TrainConfig "
                      "fields")
   return TrainConfig(**dict(d))
-  """A preset by name, or a YAML/JSON config file (`run/config_file.py`; a run's own
-  config.json too), with `key=value` overrides on top."""
-  from sparrow_jax.run import config_file
-  if name not in PRESETS and config_file.is_config_file(name):
-    return config_file.load_config_file(name, parse_overrides(overrides))

@@ -105,6 +105,10 @@ KEY_DOCS: dict[str, str] = {
                    "null = off.",
     "loss_agg": "Loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum | "
                 "seq-mean-token-sum-norm (verl: loss_agg_mode).",
+    "adv_estimator": "Advantage estimator by name (rl/advantages.py; verl: "
+                     "algorithm.adv_estimator): grpo = group-relative (r - group mean) / group "
+                     "std; rloo = r minus the mean of the group's other rewards "
+                     "(normalize_adv_std does not apply).",
     "normalize_adv_std": "Divide advantages by the group's reward std (false = Dr.GRPO; verl: "
                          "norm_adv_by_std_in_grpo; TRL: scale_rewards).",
     "kl_coef": "KL penalty weight against the initial policy (paper: β; verl: kl_loss_coef; "

@@ -11,6 +11,7 @@ import numpy as np
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
+from sparrow_jax.rl import verifier_pool
 from sparrow_jax.rl.eval_metrics import eval_summary, trace_confidence, weighted_maj_at_k
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams
@@ -78,13 +79,13 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
     hook = _ScoreOnly(trainer.arrol, trainer.arrol_stop_ids)
   try:
     # (a trainer over several processes splits the prompts between them and gathers)
-    comps = getattr(trainer, "generate_shared", engine.generate)(reqs, lora=lora, prune=hook)
+    comps = trainer.rollout.generate(reqs, lora=lora, prune=hook)
   finally:
     engine.set_attention(*saved)
   texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
-  res = rewards_lib.score_batch(trainer.reward_fn, texts,
-                                [examples[c.request_id[0]].answer for c in comps],
-                                timeout_s=cfg.reward_timeout_s)
+  res = verifier_pool.score_batch(trainer.reward_fn, texts,
+                                  [examples[c.request_id[0]].answer for c in comps],
+                                  timeout_s=cfg.reward_timeout_s)
   rewards = np.asarray(res.rewards, np.float32).reshape(len(examples), k)
   answers = [[extract_answer(texts[i * k + j]) for j in range(k)] for i in range(len(examples))]
   out = eval_summary(rewards.tolist(), answers, ks=sorted({1, k}))
@@ -105,5 +106,7 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   out["eval/verifier_errors"] = res.num_errors + res.num_timeouts
   if mode != "dense":
     batch = trainer.make_batch(comps)  # micro-batched like the trainer's probe
-    out["eval/alpha_p5"] = trainer.tail_alpha(batch, trainer.schedule, lora, batch["mask"])
+    out["eval/alpha_p5"] = trainer.learner.tail_alpha(
+        trainer.params, batch.arrays("tokens", "lengths", "prompt_lens"), trainer.schedule,
+        lora, batch.mask)
   return out

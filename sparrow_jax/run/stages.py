@@ -1,290 +1,220 @@
-"""One RL step as named stages over one step batch (the data path of DESIGN.md).
+"""The learner's stages: each a function of (learner, training state, step record) that does
+its own work on the record's typed batch and returns the new training state.
 
-    generate    rollouts of the sparse actor (policy + LoRA), scored by the verifiers, with
-                DAPO refill rounds; ARRoL's pruned rollouts leave here
-    batch       the scored rollouts as host arrays [B, T] and the micro-batch plans; the
-                engine's KV pool is released (the trainer gets its memory back)
+    prepare     the micro-batch plans of the step and their padding metrics; the share of
+                tokens past the schedule's calibrated positions
     recompute   old dense log-probs + the monitor's dense top-k, and the KL reference's
-                log-probs, micro-batched and sharded; skipped when it is redundant (one
-                optimizer step per rollout batch: the update's own forward gives them)
-    exact_alpha every `exact_alpha_every` steps: the exact alpha tail per position bin of the
-                rollout actor vs the dense policy that sampled (teacher-forced, before the
-                update changes either)
-    advantages  group-relative advantages (ragged groups with ARRoL) and the GRPO loss mask
-    distill     DistillSparse: LoRA-only update against the old dense log-probs, before the
-                policy update, so teacher dense(theta_k) and student sparse(theta_k) + LoRA
-                share the policy that generated the rollout (rl/distill.py)
+                log-probs, micro-batched and sharded; the old log-probs are skipped when
+                redundant (one optimizer step per rollout batch: the update's forward gives them)
+    advantages  group-relative advantages (ragged groups once ARRoL pruned members) and the GRPO
+                loss mask (the response mask less dynamic sampling's zero-variance groups)
+    distill     DistillSparse (present with distill=true): LoRA-only update against the old
+                dense log-probs, before the policy update, so teacher dense(theta_k) and student
+                sparse(theta_k) + LoRA share the policy that generated the rollout
     update      GRPO: `ppo_epochs` passes of mini-batches, each a sum of micro-batch gradients
                 with the mini-batch's loss denominators, then one guarded optimizer step
-    monitor     the top-k lower bound of alpha_t per position bin (rl/monitor.py)
-    ladder      probe the next schedule of the ladder, switch after `ladder_patience` passes
-    arrol       train ARRoL's quality head on this step's labelled detection states
-    metrics     one flat dict for the logger
 
-Each stage is `fn(trainer, sb)`: it reads and writes the `StepBatch` and uses the trainer's
-programs, mesh and state. Wall time per stage goes to `time/<stage>_s` (`time/rollout_s` and
-`time/reward_s` split the generate stage). Every phase that touches rollouts runs through
-`run/microbatch.py`: micro-batches sorted by length, padded to their own length bucket and
-placed sharded over the batch axes.
+`learner_stages(cfg)` lists the stages a config runs; periodic side effects (monitor, exact
+alpha, ladder, ARRoL's head, validation, checkpoints) are hooks (`run/hooks.py`).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.rl import arrol as arrol_lib
+from sparrow_jax.rl import distill as distill_lib
 from sparrow_jax.rl import grpo
-from sparrow_jax.rl.monitor import lower_bound_alpha
-from sparrow_jax.rl.switching import alpha_tails_per_bin
-from sparrow_jax.run import compile_clock
+from sparrow_jax.rl.advantages import compute_advantages
+from sparrow_jax.run import distributed
 from sparrow_jax.run import microbatch as mb_lib
-from sparrow_jax.run.builders import _frac_zero_var
-from sparrow_jax.schedule.schedule import beyond_calibrated_frac
+from sparrow_jax.run.learner import Learner, StepRecord
+from sparrow_jax.run.state import TrainState
+from sparrow_jax.schedule.schedule import beyond_calibrated_frac, teacher_forced_budgets
+
+_LOGPROB_KEYS = ("tokens", "lengths", "prompt_lens")
 
 
-@dataclasses.dataclass
-class StepBatch:
-  """Everything one step knows about its rollouts, filled stage by stage.
-
-  `arrays` (host, row j = `completions[j]`): tokens [B, T] int32, lengths [B], mask [B, T]
-  (response tokens: monitor, DistillSparse, probe), prompt_lens [B], rollout_logp [B, T],
-  rollout_topk_ids / rollout_topk_logp [B, T, k]; then old_logp [B, T], dense_topk_ids /
-  dense_topk_logp [B, T, k], ref_logp [B, T] (recompute), advantages [B], loss_mask [B, T]
-  (advantages: the dynamic-sampling mask on top of `mask`).
-  """
-
-  step: int
-  schedule: str = ""  # the rollout's schedule (the ladder may switch at the end of a step)
-  completions: list = dataclasses.field(default_factory=list)
-  rewards: np.ndarray | None = None  # [B] of the trained completions
-  gen: dict = dataclasses.field(default_factory=dict)  # generate's info (every completion)
-  arrays: dict = dataclasses.field(default_factory=dict)
-  group_ids: list = dataclasses.field(default_factory=list)
-  zero_var: np.ndarray | None = None  # [groups] with fixed-size groups
-  rho_hat: tuple = (0.0, 0.0)
-  logprob_plan: list = dataclasses.field(default_factory=list)
-  update_metrics: list = dataclasses.field(default_factory=list)
-  all_finite: bool = True
-  out: dict = dataclasses.field(default_factory=dict)  # metrics of every stage
-  times: dict = dataclasses.field(default_factory=dict)
-  exact_token_alpha: np.ndarray | None = None  # [rows, T] exact alpha of the first rows
-
-
-# --- stages --------------------------------------------------------------------------------
-
-def generate(tr, sb: StepBatch) -> None:
-  sb.schedule = tr.schedule.name
-  sb.completions, sb.rewards, sb.gen = tr.generate_groups(sb.step)
-  sb.times["rollout"], sb.times["reward"] = sb.gen["rollout_s"], sb.gen["reward_s"]
-  sb.group_ids = [c.request_id[0] for c in sb.completions]
-
-
-def batch(tr, sb: StepBatch) -> None:
-  sb.arrays = tr.make_batch(sb.completions)
-  tr.engine_release()
-  lengths = sb.arrays["lengths"]
-  sb.logprob_plan = tr.logprob_plan(lengths)
-  update_plan = [m for s in range(0, len(lengths), tr.cfg.mini_batch)
-                 for m in tr.update_plan(lengths[s:s + tr.cfg.mini_batch])]
-  sb.out["batch/padding_frac"] = mb_lib.padding_frac(
-      update_plan, np.concatenate([lengths[s:s + tr.cfg.mini_batch]
-                                   for s in range(0, len(lengths), tr.cfg.mini_batch)]))
-  sb.out["batch/logprob_padding_frac"] = mb_lib.padding_frac(sb.logprob_plan, lengths)
-  sb.out["batch/micro_batches"] = len(update_plan)
-  # The rollout's schedule (the ladder switches only after this step's update).
-  beyond = beyond_calibrated_frac(tr.schedule, sb.arrays["prompt_lens"], lengths)
+def prepare(ln: Learner, state: TrainState, rec: StepRecord) -> TrainState:
+  b, cfg = rec.batch, ln.cfg
+  lengths = b.lengths
+  rec.logprob_plan = ln.logprob_plan(lengths)
+  minis = [lengths[s:s + cfg.mini_batch] for s in range(0, len(lengths), cfg.mini_batch)]
+  update_plan = [m for mini in minis for m in ln.update_plan(mini)]
+  rec.out["batch/padding_frac"] = mb_lib.padding_frac(update_plan, np.concatenate(minis))
+  rec.out["batch/logprob_padding_frac"] = mb_lib.padding_frac(rec.logprob_plan, lengths)
+  rec.out["batch/micro_batches"] = len(update_plan)
+  beyond = beyond_calibrated_frac(b.schedule, b.prompt_lens, lengths)
   if beyond is not None:
-    sb.out["schedule/beyond_calibrated_frac"] = beyond
+    rec.out["schedule/beyond_calibrated_frac"] = beyond
+  return state
 
 
-def recompute(tr, sb: StepBatch) -> None:
-  a = sb.arrays
-  if not tr.programs.skip_recompute:
+def dense_logprobs(ln: Learner, params, ref_params, arrays: dict, plan, *,
+                   with_old: bool = True) -> dict[str, np.ndarray]:
+  """The no-grad recompute of a batch's host arrays (tokens, lengths, prompt_lens),
+  micro-batched by `plan`: {"old_logp", "dense_topk_ids", "dense_topk_logp"} of `params`
+  (with `with_old`) and {"ref_logp"} of `ref_params` (when given), aligned with the tokens."""
+  out = {}
+  keys = tuple(k for k in _LOGPROB_KEYS if k in arrays)
+  if with_old:
     # prompt_lens: the LM head runs over the responses' window only (run/programs.py)
-    res = tr.run_micro(lambda mb: tr.programs.logprobs(tr.params, mb), a, sb.logprob_plan,
-                       keys=("tokens", "lengths", "prompt_lens"))
-    a["old_logp"] = res["logp"]
+    res = ln.run_micro(lambda mb: ln.programs.logprobs(params, mb), arrays, plan, keys=keys)
+    out["old_logp"] = res["logp"]
     if "topk_ids" in res:
-      a["dense_topk_ids"], a["dense_topk_logp"] = res["topk_ids"], res["topk_logp"]
-  if tr.ref_params is not None:
-    res = tr.run_micro(lambda mb: tr.programs.ref_logprobs(tr.ref_params, mb), a,
-                       sb.logprob_plan, keys=("tokens", "lengths", "prompt_lens"))
-    a["ref_logp"] = res["logp"]
+      out["dense_topk_ids"], out["dense_topk_logp"] = res["topk_ids"], res["topk_logp"]
+  if ref_params is not None:
+    out["ref_logp"] = ln.run_micro(lambda mb: ln.programs.ref_logprobs(ref_params, mb),
+                                   arrays, plan, keys=keys)["logp"]
+  return out
 
 
-def exact_alpha(tr, sb: StepBatch) -> None:
-  every = tr.cfg.exact_alpha_every
-  if every and sb.step % every == 0:
-    out, sb.exact_token_alpha = tr.exact_alpha(sb.arrays)
-    sb.out.update(out)
+def recompute(ln: Learner, state: TrainState, rec: StepRecord) -> TrainState:
+  b = rec.batch
+  res = dense_logprobs(ln, state.params, state.ref_params, b.arrays(*_LOGPROB_KEYS),
+                       rec.logprob_plan, with_old=not ln.programs.skip_recompute)
+  for k, v in res.items():  # old_logp, dense_topk_ids / _logp, ref_logp
+    setattr(b, k, v)
+  return state
 
 
-def advantages(tr, sb: StepBatch) -> None:
-  cfg, a = tr.cfg, sb.arrays
+def advantages(ln: Learner, state: TrainState, rec: StepRecord) -> TrainState:
+  cfg, b = ln.cfg, rec.batch
   g = cfg.group_size
-  sb.rho_hat = arrol_lib.rho_hat_stats(sb.rewards, sb.group_ids)
-  if tr.arrol is None:
-    adv = np.asarray(grpo.group_advantages(jnp.asarray(sb.rewards), g,
-                                           normalize_std=cfg.normalize_adv_std))
-    groups = sb.rewards.reshape(-1, g)
-    sb.zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
+  rec.rho_hat = arrol_lib.rho_hat_stats(b.rewards, b.group_ids)
+  if not cfg.arrol:  # whole groups of G, contiguous
+    adv = compute_advantages(cfg.adv_estimator, b.rewards, np.arange(b.rows) // g,
+                             group_size=g, normalize_std=cfg.normalize_adv_std)
+    groups = b.rewards.reshape(-1, g)
+    b.zero_var = np.all(groups == groups[:, :1], axis=1)  # [prompts_per_step]
   else:  # groups of unequal size once ARRoL pruned some members
-    adv = grpo.ragged_group_advantages(sb.rewards, sb.group_ids,
-                                       normalize_std=cfg.normalize_adv_std)
-  a["advantages"] = np.asarray(adv, np.float32)
-  loss_mask = a["mask"].copy()  # [B, T]: the GRPO loss (response mask: everything else)
+    adv = compute_advantages(cfg.adv_estimator, b.rewards, b.group_ids, group_size=None,
+                             normalize_std=cfg.normalize_adv_std)
+  b.advantages = np.asarray(adv, np.float32)
+  loss_mask = b.mask.copy()  # [B, T]: the GRPO loss (the response mask: everything else)
   if cfg.dynamic_sampling:
-    loss_mask *= np.repeat(~sb.zero_var, g)[:, None]
-  a["loss_mask"] = loss_mask
+    loss_mask *= np.repeat(~b.zero_var, g)[:, None]
+  b.loss_mask = loss_mask
+  return state
 
 
-def distill(tr, sb: StepBatch) -> None:
-  if not tr.cfg.distill:
-    return
-  sb.out.update(tr.distill_update(sb.arrays, sb.logprob_plan))
+# --- DistillSparse -----------------------------------------------------------------------
+
+def distill_grads(ln: Learner, state: TrainState, arrays: dict, plan, schedule):
+  """DistillSparse's (loss, metrics, LoRA gradients) on a batch, summed over the
+  micro-batches of `plan`, each divided by the batch's token count (= one piece)."""
+  cfg, progs = ln.cfg, ln.programs
+  keys = ["tokens", "mask", "old_logp", "prompt_lens", "lengths"]
+  if cfg.distill_pg_coef > 0:  # the LoRA's own truncated-IS policy gradient
+    keys += ["advantages", "rollout_logp"]
+  m = np.asarray(arrays["mask"], np.float32).copy()
+  m[:, 0] = 0.0
+  den = {"num_tokens": jnp.float32(m.sum())}
+  acc = progs.zeros(state.lora)
+  losses, per_micro = [], []
+  for micro in plan:
+    inputs = mb_lib.gather(arrays, micro, keys)
+    inputs["budgets"] = np.asarray(teacher_forced_budgets(schedule, micro.length, micro.rows))
+    acc, loss, mm = progs.distill_grad(state.lora, acc, state.params, ln.place(inputs), den)
+    losses.append(loss)
+    per_micro.append(mm)
+  metrics = distill_lib.combine_micro_metrics(distributed.fetch(per_micro))
+  return jnp.sum(jnp.stack(losses)), metrics, acc
 
 
-def update(tr, sb: StepBatch) -> None:
-  sb.update_metrics, sb.all_finite = tr.apply_updates(sb.arrays)
-  tr.engine.set_state(tr.params)
+def distill(ln: Learner, state: TrainState, rec: StepRecord) -> TrainState:
+  """One LoRA-only step on the step batch, micro-batched, teacher = the old dense log-probs,
+  with the batch's token count as the loss denominator."""
+  b = rec.batch
+  loss, out, grads = distill_grads(ln, state, b.arrays(), rec.logprob_plan, b.schedule)
+  lora, lora_opt, am = ln.programs.distill_apply(
+      state.lora, state.lora_opt_state, grads, loss, jnp.float32(out["max_abs_gap"]))
+  out.update({k: float(v) for k, v in distributed.fetch(am).items()})
+  rec.out.update({f"distill/{k}": v for k, v in out.items()})
+  return state.replace(lora=lora, lora_opt_state=lora_opt)
 
 
-def monitor(tr, sb: StepBatch) -> None:
-  """Top-k lower bound of alpha between the sparse actor (top-k kept during rollout) and the
-  dense policy (recompute, or the update's own forward), both at the rollout temperature (the
-  engine keeps its top-k under softmax(logits / T) of each request)."""
-  a = sb.arrays
-  if "old_logp" in a:
-    sb.out.update(rollout_is_stats(a["old_logp"], a["rollout_logp"], a["mask"],
-                                   cap=tr.loss_cfg.tis_cap))
-  if "dense_topk_ids" not in a:
-    return
-  sb.out.update(tr.monitor.update(a["rollout_topk_ids"], a["rollout_topk_logp"],
-                                  a["dense_topk_ids"], a["dense_topk_logp"], a["mask"],
-                                  step=sb.step))
-  if sb.exact_token_alpha is not None:
-    sb.out.update(bound_vs_exact(a, sb.exact_token_alpha, tr.cfg.mismatch_bin_size))
+# --- GRPO update -------------------------------------------------------------------------
+
+def mini_batch_grads(ln: Learner, params, arrays: dict[str, np.ndarray]):
+  """(loss, metrics, grads, aux) of one mini-batch (host arrays: tokens, lengths, mask =
+  the loss mask, advantages, [old_logp, rollout_logp, ref_logp]) as the sum of its
+  micro-batches, each divided by the mini-batch's loss denominators (so the result equals
+  the mini-batch in one piece). `aux`: with the recompute skipped, the forward's own old
+  log-probs and dense top-k, as full host arrays."""
+  progs, loss_cfg = ln.programs, ln.loss_cfg
+  den = grpo.loss_denominators(grpo.loss_mask(
+      jnp.asarray(arrays["mask"]), loss_cfg,
+      old_logp=None if "old_logp" not in arrays else jnp.asarray(arrays["old_logp"]),
+      rollout_logp=(None if "rollout_logp" not in arrays
+                    else jnp.asarray(arrays["rollout_logp"]))))
+  keys = [k for k in ("tokens", "lengths", "prompt_lens", "mask", "advantages", "old_logp",
+                      "rollout_logp", "ref_logp") if k in arrays]
+  if not loss_cfg.uses_rollout_correction:
+    keys = [k for k in keys if k != "rollout_logp"]
+  if progs.skip_recompute:
+    keys = [k for k in keys if k != "old_logp"]
+  acc = progs.zeros(params)
+  losses, per_micro, n_in, aux = [], [], [], {}
+  b, t = np.shape(arrays["tokens"])[:2]
+  for micro in ln.update_plan(arrays["lengths"]):
+    inputs = ln.place(mb_lib.gather(arrays, micro, keys))
+    acc, loss, m, n, a = progs.grad_step(params, acc, inputs, den)
+    losses.append(loss)
+    per_micro.append(m)
+    n_in.append(n)
+    if a:
+      mb_lib.scatter(aux, micro, distributed.fetch(a), b, t)
+  stacked = jax.tree.map(lambda *x: jnp.stack(x), *per_micro)
+  metrics = grpo.combine_micro_metrics(stacked, jnp.stack(n_in))
+  return jnp.sum(jnp.stack(losses)), metrics, acc, aux
 
 
-def rollout_is_stats(old_logp, rollout_logp, mask, cap: float | None = None
-                     ) -> dict[str, float]:
-  """Importance ratios rho_t = pi_dense(y_t) / q_actor(y_t) = exp(old_logp - rollout_logp) of
-  the sampled tokens (`mask`: response tokens), logged every step whether or not the loss
-  corrects with them (TIS is on when `tis_cap` is set): mean (1 in expectation under q),
-  5th / 95th percentile, min, max, the fraction above the TIS cap C (`cap`, or 2 when TIS is
-  off: what a cap of 2 would truncate) and KL(q || pi) by the k3 estimate E_q[rho - 1 - log rho]
-  (non-negative token by token, lower variance than E_q[-log rho])."""
-  m = np.asarray(mask) > 0
-  if not m.any():
-    return {}
-  log_rho = (np.asarray(old_logp, np.float64) - np.asarray(rollout_logp, np.float64))[m]
-  rho = np.exp(log_rho)
-  c = 2.0 if cap is None else float(cap)
-  p5, p95 = np.percentile(rho, [5, 95])
-  return {"tis/ratio_mean": float(rho.mean()), "tis/ratio_p5": float(p5),
-          "tis/ratio_p95": float(p95), "tis/ratio_min": float(rho.min()),
-          "tis/ratio_max": float(rho.max()), "tis/frac_above_cap": float(np.mean(rho > c)),
-          "tis/kl_rollout_vs_policy": float(np.mean(rho - 1 - log_rho))}
+def update_inputs(b) -> dict[str, np.ndarray]:
+  """The update's host arrays of a batch: `mask` is the GRPO loss mask."""
+  arrays = b.arrays("tokens", "lengths", "prompt_lens", "advantages", "old_logp",
+                    "rollout_logp", "ref_logp")
+  arrays["mask"] = b.loss_mask if b.loss_mask is not None else b.mask
+  return arrays
 
 
-def bound_vs_exact(a, exact, bin_size: int) -> dict[str, float]:
-  """The monitor's top-k bound on exactly the rows (and tokens) exact alpha was computed on:
-  its tail per bin as `mismatch/exact_p5` takes it (`mismatch/bound_p5_exact_rows`, min over
-  bins), the mean gap exact - bound and the fraction of tokens where the bound exceeds the
-  exact value by more than float32 noise (a lower bound never should: a live check of both)."""
-  rows = exact.shape[0]
-  bound = lower_bound_alpha(a["rollout_topk_ids"][:rows], a["rollout_topk_logp"][:rows],
-                            a["dense_topk_ids"][:rows], a["dense_topk_logp"][:rows])
-  m = np.array(a["mask"][:rows]) > 0
-  m[:, 0] = False
-  tails = alpha_tails_per_bin(bound, m, bin_size=bin_size)
-  if not tails:
-    return {}
-  gap = exact[m] - bound[m]
-  return {"mismatch/bound_p5_exact_rows": min(v for v, _ in tails.values()),
-          "mismatch/exact_bound_gap": float(np.mean(gap)),
-          "mismatch/bound_above_exact_frac": float(np.mean(gap < -1e-3))}
+def apply_updates(ln: Learner, state: TrainState, full: dict[str, np.ndarray]):
+  """`ppo_epochs` passes of mini-batch updates over a batch's update arrays (`update_inputs`)
+  -> (state, per-update metrics, whether every update was finite, aux). `aux`: with the
+  recompute skipped, the forward's own old log-probs and dense top-k (one mini-batch)."""
+  cfg = ln.cfg
+  n = full["tokens"].shape[0]
+  metrics, all_finite, aux_all = [], True, {}
+  params, opt_state = state.params, state.opt_state
+  for _ in range(cfg.ppo_epochs):
+    for s in range(0, n, cfg.mini_batch):
+      sub = {k: v[s:s + cfg.mini_batch] for k, v in full.items()}
+      loss, m, grads, aux = mini_batch_grads(ln, params, sub)
+      params, opt_state, ok, gnorm = ln.programs.apply(params, opt_state, grads, loss)
+      m = distributed.fetch(dict(m, loss=loss, grad_norm=gnorm, finite=ok))
+      all_finite &= bool(m["finite"])
+      metrics.append(m)
+      aux_all.update(aux)
+  return state.replace(params=params, opt_state=opt_state), metrics, all_finite, aux_all
 
 
-def ladder(tr, sb: StepBatch) -> None:
-  sb.out.update(tr.maybe_switch(sb.step, sb.arrays, sb.logprob_plan))
+def update(ln: Learner, state: TrainState, rec: StepRecord) -> TrainState:
+  """The GRPO update of the batch. With the recompute skipped, the forward's own old
+  log-probs and the monitor's dense top-k fill the batch's fields."""
+  b = rec.batch
+  state, rec.update_metrics, rec.all_finite, aux = apply_updates(ln, state, update_inputs(b))
+  for k, v in aux.items():
+    assert k in ("old_logp", "dense_topk_ids", "dense_topk_logp"), k  # typed fields only
+    setattr(b, k, v)
+  return state
 
 
-def arrol(tr, sb: StepBatch) -> None:
-  sb.out.update(tr.arrol_update(sb.completions, sb.rewards, sb.gen["pruned"], sb.rho_hat))
-
-
-def metrics(tr, sb: StepBatch) -> None:
-  cfg, gen, g = tr.cfg, sb.gen, tr.cfg.group_size
-  all_comps, all_rewards = gen["completions"], gen["rewards"]  # every scored sample
-  resp_lens = np.array([len(c.token_ids) for c in all_comps])
-  gen_tokens = int(resp_lens.sum()) + sum(len(c.token_ids) for c in gen["pruned"])
-  if tr.arrol is None:
-    all_groups = all_rewards.reshape(-1, g)
-    frac_zero_var = float(np.mean(np.all(all_groups == all_groups[:, :1], axis=1)))
-  else:
-    frac_zero_var = _frac_zero_var(all_rewards, [c.request_id[0] for c in all_comps])
-  upd = sb.update_metrics
-  mean = lambda key: float(np.mean([float(m[key]) for m in upd]))
-  t = sb.times
-  out = {
-      "reward/mean": float(all_rewards.mean()), "reward/std": float(all_rewards.std()),
-      "reward/frac_zero_var_groups": frac_zero_var,
-      # ARRoL's Table 4 statistics for every run: rho_hat = positive fraction of a group.
-      **dict(zip(("reward/rho_hat_mean", "reward/rho_hat_var"), sb.rho_hat)),
-      "reward/verifier_errors": gen["num_errors"],
-      "reward/verifier_timeouts": gen["num_timeouts"],
-      "response/len_mean": float(resp_lens.mean()), "response/len_max": int(resp_lens.max()),
-      "response/clip_ratio": float(np.mean([c.finish_reason != "stop" for c in all_comps])),
-      "loss/total": mean("loss"), "loss/policy": mean("pg_loss"),
-      "loss/clip_frac_low": mean("clip_frac_low"), "loss/clip_frac_high": mean("clip_frac_high"),
-      "loss/approx_kl": mean("approx_kl"), "grad_norm": mean("grad_norm"),
-      "lr": float(tr.lr_schedule(int(jax.device_get(tr.opt_count())))),
-      "time/rollout_s": t["rollout"], "time/reward_s": t["reward"],
-      "time/recompute_s": t.get("recompute", 0.0), "time/update_s": t["update"],
-      "rollout/tokens": gen_tokens,
-      "rollout/tokens_per_s": gen_tokens / max(t["rollout"], 1e-9),
-      **{f"rollout/{k}": v for k, v in gen["engine"].items()},
-      "recompute/skipped": float(tr.programs.skip_recompute),
-      "compilations": tr.programs.count.n + tr.engine.num_compilations,
-      "skipped_update": not sb.all_finite, "schedule": sb.schedule,
-  }
+def learner_stages(cfg) -> tuple:
+  """(name, stage) of the learner for `cfg`: a feature adds its stage."""
+  stages = [("batch", prepare), ("recompute", recompute), ("advantages", advantages)]
   if cfg.distill:
-    out["time/distill_s"] = t["distill"]
-  if cfg.exact_alpha_every:
-    out["time/exact_alpha_s"] = t["exact_alpha"]
-  if cfg.dynamic_sampling:
-    out.update({"dynamic_sampling/rounds": gen["rounds"],
-                "dynamic_sampling/informative_groups": int((~sb.zero_var).sum()),
-                "dynamic_sampling/generated_groups": len(all_groups)})
-  for key in ("kl", "entropy", "is_weight_mean", "is_ratio_max", "is_frac_truncated",
-              "is_frac_masked"):
-    if key in upd[0]:
-      out[f"loss/{key}"] = mean(key)
-  sb.out = {**out, **sb.out}
-
-
-PIPELINE = (("generate", generate), ("batch", batch), ("recompute", recompute),
-            ("exact_alpha", exact_alpha), ("advantages", advantages), ("distill", distill), ("update", update),
-            ("monitor", monitor), ("ladder", ladder), ("arrol", arrol), ("metrics", metrics))
-
-
-def run_step(tr, step: int, pipeline=None) -> StepBatch:
-  """Run every stage of `pipeline` (default `PIPELINE`; a profiler passes it with its stages
-  wrapped) on a fresh step batch; returns it (metrics in `.out`)."""
-  sb = StepBatch(step=step)
-  c0 = compile_clock.seconds()
-  t0 = time.perf_counter()
-  for name, stage in (PIPELINE if pipeline is None else pipeline):
-    t1 = time.perf_counter()
-    stage(tr, sb)
-    sb.times.setdefault(name, time.perf_counter() - t1)
-  sb.out["time/step_s"] = time.perf_counter() - t0
-  # Part of the phase times above that was compilation (lowering + XLA), in any phase.
-  sb.out["time/compile_s"] = compile_clock.seconds() - c0
-  return sb
+    stages.append(("distill", distill))
+  stages.append(("update", update))
+  return tuple(stages)

@@ -16,8 +16,20 @@ import numpy as np  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 from sparrow_jax.rl import grpo  # noqa: E402
+from sparrow_jax.run import stages  # noqa: E402
 from sparrow_jax.run.config import get_train_config  # noqa: E402
 from sparrow_jax.run.trainer import Trainer  # noqa: E402
+
+
+def _old_logp(tr, batch):
+  return stages.dense_logprobs(tr.learner, tr.params, None, batch,
+                               tr.learner.logprob_plan(batch["lengths"]))["old_logp"]
+
+
+def _apply(tr, full):
+  """The GRPO update of `full` on `tr`'s state; its per-update metrics."""
+  tr.state, metrics, _, _ = stages.apply_updates(tr.learner, tr.state, full)
+  return metrics
 
 
 def main(out_dir):
@@ -35,20 +47,18 @@ def main(out_dir):
                                                    "max_tokens_per_micro_batch=16",
                                                    f"out_dir={out_dir}/c"]), quiet=True)
   examples = single.dataset.next_batch()
-  comps = single.rollout(examples, 1)
-  batch = single.make_batch(comps)
-  old = single.recompute(batch)["old_logp"]
+  comps = single.producer.rollout(examples, 1)
+  batch = single.make_batch(comps).arrays()
+  old = _old_logp(single, batch)
   rewards = np.random.default_rng(0).integers(0, 2, len(comps)).astype(np.float32)
   adv = np.asarray(grpo.group_advantages(rewards, 4))
   full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old),
               advantages=adv, mask=batch["mask"])
-  old_micro = micro.recompute(batch)["old_logp"]
+  old_micro = _old_logp(micro, batch)
   m = batch["mask"] > 0
   recompute_diff = float(np.max(np.abs(np.asarray(old)[m] - old_micro[m])))
-  n_micro = len(micro.update_plan(batch["lengths"]))
-  m1, _ = single.apply_updates(full)
-  m2, _ = sharded.apply_updates(full)
-  m3, _ = micro.apply_updates(full)
+  n_micro = len(micro.learner.update_plan(batch["lengths"]))
+  m1, m2, m3 = (_apply(t, full) for t in (single, sharded, micro))
   p1 = jax.tree.leaves(jax.device_get(single.params))
   p2 = jax.tree.leaves(jax.device_get(sharded.params))
   p3 = jax.tree.leaves(jax.device_get(micro.params))

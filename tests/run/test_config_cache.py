@@ -12,7 +12,7 @@ def test_compile_cache_dir_writes_and_reuses_programs(tmp_path):
   code = textwrap.dedent(f"""
       import jax, jax.numpy as jnp
       from jax._src import monitoring
-      from sparrow_jax.run.trainer import enable_compile_cache
+      from sparrow_jax.run.setup import enable_compile_cache
       hits = []
       monitoring.register_event_listener(
           lambda name, **kw: hits.append(name) if name.endswith("cache_hits") else None)

@@ -84,7 +84,7 @@ def test_eval_checkpoint_reads_weights_not_the_data_position(tmp_path, capsys):
 
 def test_held_out_set_is_disjoint_from_the_tiny_training_draw():
   import experiments.data.make_arith_eval as gen
-  from sparrow_jax.run.trainer import build_examples
+  from sparrow_jax.run.builders import build_examples
   with open(gen.PATH) as f:
     text = f.read()
   assert text == "".join(gen.held_out_lines())  # the shipped file is what the generator writes

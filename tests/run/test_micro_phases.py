@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.run import microbatch as mb
+from sparrow_jax.run import stages
 from sparrow_jax.run.config import get_train_config
 from sparrow_jax.run.trainer import Trainer
 
@@ -27,12 +28,22 @@ def _leaves(tree):
 def _ragged_batch(tr, seed=0):
   """A rollout batch whose rows have very different lengths (responses of 1 to 8 tokens)."""
   rng = np.random.default_rng(seed)
-  comps = tr.rollout(tr.dataset.next_batch(), 1)
+  comps = tr.producer.rollout(tr.dataset.next_batch(), 1, lora=tr.lora)
   for c in comps:  # cut responses to random lengths: long-tailed rows
     n = int(rng.integers(1, len(c.token_ids) + 1))
     c.token_ids, c.logprobs = list(c.token_ids[:n]), list(c.logprobs[:n])
     c.topk_ids, c.topk_logprobs = c.topk_ids[:n], c.topk_logprobs[:n]
-  return tr.make_batch(comps)
+  return tr.make_batch(comps).arrays()
+
+
+def _recompute(tr, batch):
+  """Old log-probs, the monitor's dense top-k and the reference's log-probs of a batch."""
+  return stages.dense_logprobs(tr.learner, tr.params, tr.ref_params, batch,
+                               tr.learner.logprob_plan(batch["lengths"]))
+
+
+def _distill_grads(tr, batch, plan):
+  return stages.distill_grads(tr.learner, tr.state, batch, plan, tr.schedule)
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +61,13 @@ def pair(tmp_path_factory):
 
 def test_recompute_in_micro_batches_equals_one_piece(pair):
   whole, micro, budget, batch = pair
-  assert len(whole.logprob_plan(batch["lengths"])) == 1
-  assert len(micro.logprob_plan(batch["lengths"])) == 4
-  assert len(budget.logprob_plan(batch["lengths"])) > 1
-  ref = whole.recompute(batch)
+  assert len(whole.learner.logprob_plan(batch["lengths"])) == 1
+  assert len(micro.learner.logprob_plan(batch["lengths"])) == 4
+  assert len(budget.learner.logprob_plan(batch["lengths"])) > 1
+  ref = _recompute(whole, batch)
   m = batch["mask"] > 0
   for other in (micro, budget):
-    got = other.recompute(batch)
+    got = _recompute(other, batch)
     for key in ("old_logp", "ref_logp"):
       np.testing.assert_allclose(got[key][m], ref[key][m], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["dense_topk_logp"][m], ref["dense_topk_logp"][m],
@@ -68,12 +79,12 @@ def test_recompute_in_micro_batches_equals_one_piece(pair):
 
 def test_distill_in_micro_batches_equals_one_piece(pair):
   whole, micro, budget, batch = pair
-  batch = dict(batch, old_logp=whole.recompute(batch)["old_logp"])
-  l1, m1, g1 = whole.distill_grads(batch, whole.logprob_plan(batch["lengths"]))
+  batch = dict(batch, old_logp=_recompute(whole, batch)["old_logp"])
+  l1, m1, g1 = _distill_grads(whole, batch, whole.learner.logprob_plan(batch["lengths"]))
   for other in (micro, budget):
-    plan = other.update_plan(batch["lengths"])
+    plan = other.learner.update_plan(batch["lengths"])
     assert len(plan) > 1
-    l2, m2, g2 = other.distill_grads(batch, plan)
+    l2, m2, g2 = _distill_grads(other, batch, plan)
     np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5, atol=1e-7)
     for k in ("k3", "logp_gap", "num_tokens", "loss"):
       np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-7)
@@ -91,13 +102,13 @@ def test_distill_lm_head_window_changes_nothing(pair, monkeypatch):
   from sparrow_jax.run import programs
   whole, _, _, batch = pair
   assert batch["tokens"].shape[1] > whole.cfg.max_new_tokens  # the window cuts the rows
-  batch = dict(batch, old_logp=whole.recompute(batch)["old_logp"])
-  plan = whole.logprob_plan(batch["lengths"])
-  l1, m1, g1 = whole.distill_grads(batch, plan)
-  every = programs.make_distill_grad(whole.graphdef, whole.attention, whole.distill_cfg)
-  monkeypatch.setattr(whole, "programs", dataclasses.replace(whole.programs,
+  batch = dict(batch, old_logp=_recompute(whole, batch)["old_logp"])
+  plan = whole.learner.logprob_plan(batch["lengths"])
+  l1, m1, g1 = _distill_grads(whole, batch, plan)
+  every = programs.make_distill_grad(whole.graphdef, whole.attention, whole.learner.distill_cfg)
+  monkeypatch.setattr(whole.learner, "programs", dataclasses.replace(whole.programs,
                                                              distill_grad=every))
-  l0, m0, g0 = whole.distill_grads(batch, plan)
+  l0, m0, g0 = _distill_grads(whole, batch, plan)
   np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5, atol=1e-7)
   for k in ("k3", "logp_gap", "max_abs_gap", "num_tokens"):
     np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-7)
@@ -112,11 +123,11 @@ def test_update_under_a_token_budget_equals_one_piece(pair):
   rng = np.random.default_rng(3)
   full = dict(tokens=batch["tokens"], lengths=batch["lengths"], mask=batch["mask"],
               advantages=rng.normal(size=len(batch["lengths"])).astype(np.float32),
-              old_logp=whole.recompute(batch)["old_logp"], ref_logp=whole.recompute(
-                  batch)["ref_logp"])
-  l1, m1, g1, _ = whole.mini_batch_grads(full)
-  l2, m2, g2, _ = budget.mini_batch_grads(full, params=whole.params)
-  assert len(budget.update_plan(full["lengths"])) > 1
+              old_logp=_recompute(whole, batch)["old_logp"],
+              ref_logp=_recompute(whole, batch)["ref_logp"])
+  l1, m1, g1, _ = stages.mini_batch_grads(whole.learner, whole.params, full)
+  l2, m2, g2, _ = stages.mini_batch_grads(budget.learner, whole.params, full)
+  assert len(budget.learner.update_plan(full["lengths"])) > 1
   np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5, atol=1e-7)
   scale = max(np.abs(x).max() for x in _leaves(g1))
   for x, y in zip(_leaves(g2), _leaves(g1), strict=True):
@@ -160,7 +171,7 @@ def test_short_and_long_rows_pack_with_little_padding(tmp_path):
   tr = _trainer(tmp_path, "max_new_tokens=512", "max_prompt_len=8",
                 "max_tokens_per_micro_batch=1024", "prompts_per_step=1", "group_size=4")
   lengths = np.array([8 + 16, 8 + 16, 8 + 512, 8 + 16])
-  plan = tr.update_plan(lengths)
+  plan = tr.learner.update_plan(lengths)
   assert mb.padding_frac(plan, lengths) <= 0.15
   one_piece = 1 - lengths.sum() / (4 * 1024)  # the old power-of-two batch bucket
   assert one_piece > 0.6

@@ -42,7 +42,7 @@ def test_resume_continues_exactly(tmp_path, distill):
 
 def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
   tr = Trainer(_cfg(tmp_path, "num_steps=6", "max_bad_steps=2", "distill=false"), quiet=True)
-  real_score = tr.score
+  real_score = tr.producer.score
   calls = {"n": 0}
 
   def score(examples, comps):
@@ -52,7 +52,7 @@ def test_non_finite_steps_are_skipped_then_stop(tmp_path, monkeypatch):
       r = np.full_like(r, np.nan)
     return r, res
 
-  monkeypatch.setattr(tr, "score", score)
+  monkeypatch.setattr(tr.producer, "score", score)
   with pytest.raises(TrainingStopped, match="2 consecutive steps"):
     tr.fit()
   ckpt_steps = tr.checkpointer.all_steps()

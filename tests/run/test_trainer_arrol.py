@@ -9,6 +9,7 @@ import pytest
 
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import grpo
+from sparrow_jax.run import stages
 from sparrow_jax.run.config import get_train_config
 from sparrow_jax.run.trainer import Trainer
 from tests.run.resume_helpers import assert_same_metrics, full_and_interrupted
@@ -28,14 +29,14 @@ def test_arrol_step_prunes_rebatches_and_trains_the_head(tmp_path, monkeypatch):
   tr = Trainer(_cfg(tmp_path, "num_steps=2"), quiet=True)
   assert tr.schedule.name.startswith("constant") and tr.cfg.distill  # sparse actor + LoRA
   seen = {}
-  real_update = tr.apply_updates
+  real_update = stages.apply_updates
 
-  def spy(full):
+  def spy(ln, state, full):
     seen["rows"] = full["tokens"].shape[0]
     seen["adv"], seen["mask"] = full["advantages"].copy(), full["mask"].copy()
-    return real_update(full)
+    return real_update(ln, state, full)
 
-  monkeypatch.setattr(tr, "apply_updates", spy)
+  monkeypatch.setattr(stages, "apply_updates", spy)
   head0 = jax.tree.map(np.asarray, tr.arrol.params)
   m1 = tr.train_step()  # warm-up: nothing pruned, the head still learns
   assert m1["arrol/kept_frac"] == 1.0 and m1["arrol/warmup"] == 1.0

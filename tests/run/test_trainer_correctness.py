@@ -13,7 +13,9 @@ import pytest
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
 from sparrow_jax.rl.monitor import lower_bound_alpha
+from sparrow_jax.run import hooks, stages
 from sparrow_jax.run.config import get_train_config
+from sparrow_jax.run.learner import StepRecord
 from sparrow_jax.run.metrics import read_jsonl
 from sparrow_jax.run.trainer import Trainer
 from tests.rl import reward_helpers
@@ -41,10 +43,16 @@ def _trees_differ(a, b) -> bool:
   return any(not np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b), strict=True))
 
 
+def _recompute(tr, batch):
+  """Old log-probs, the monitor's dense top-k and the reference's log-probs of a batch."""
+  return stages.dense_logprobs(tr.learner, tr.params, tr.ref_params, batch,
+                               tr.learner.logprob_plan(batch["lengths"]))
+
+
 def _patch_rewards(monkeypatch, tr, patterns):
   """Replace the verifier's rewards of successive `score` calls by `patterns[i]`, strings of
   one letter per group: 'I' informative ([1, 0, 0, 0]), 'Z' zero variance (all 0)."""
-  real = tr.score
+  real = tr.producer.score
   calls = []
 
   def score(examples, comps):
@@ -54,7 +62,7 @@ def _patch_rewards(monkeypatch, tr, patterns):
     group = {"I": [1.0, 0.0, 0.0, 0.0], "Z": [0.0] * G}
     return np.asarray([x for c in pat for x in group[c]], np.float32), res
 
-  monkeypatch.setattr(tr, "score", score)
+  monkeypatch.setattr(tr.producer, "score", score)
   return calls
 
 
@@ -76,10 +84,10 @@ def test_hanging_verifier_costs_the_timeout_and_is_counted(tmp_path, monkeypatch
   monkeypatch.setattr(tr.tokenizer, "decode", decode)
   with tr:
     examples = tr.dataset.next_batch()
-    comps = tr.rollout(examples, 1)
-    workers = list(tr.scorer._workers)  # started before the clock runs
+    comps = tr.producer.rollout(examples, 1)
+    workers = list(tr.producer.scorer._workers)  # started before the clock runs
     t0 = time.monotonic()
-    rewards, res = tr.score(examples, comps)
+    rewards, res = tr.producer.score(examples, comps)
     elapsed = time.monotonic() - t0
     assert res.num_timeouts == 1 and res.num_errors == 0
     assert elapsed < timeout + 2.0, f"{elapsed=:.2f}s for a {timeout}s deadline"
@@ -87,12 +95,12 @@ def test_hanging_verifier_costs_the_timeout_and_is_counted(tmp_path, monkeypatch
             for t, c in zip(texts[1:], comps[1:])]
     np.testing.assert_array_equal(rewards, [0.0] + want)  # the others are scored as usual
     # The pool is reused: the hung worker was replaced, the other one kept.
-    assert sum(w in tr.scorer._workers for w in workers) == 1
+    assert sum(w in tr.producer.scorer._workers for w in workers) == 1
     # The same through a training step: counted in the metrics.
     out = tr.train_step()
     assert out["reward/verifier_timeouts"] == 1
-    procs = [w.proc for w in tr.scorer._workers]
-  assert tr._scorer is None and not any(p.is_alive() for p in procs)  # closed on exit
+    procs = [w.proc for w in tr.producer.scorer._workers]
+  assert tr.producer._scorer is None and not any(p.is_alive() for p in procs)  # closed on exit
 
 
 # --- 2. the KL reference is the policy at the start of RL --------------------------------------
@@ -137,17 +145,17 @@ def ds_step(tmp_path_factory):
                 "ladder=constant:2", "probe_every=1", "probe_min_count=4")
   _patch_rewards(mp, tr, ["ZIZI"])
   probes = []
-  real_probe = tr.tail_alpha
+  real_probe = tr.learner.tail_alpha
 
   def probe(*a, **kw):
     probes.append((a, kw))
     return real_probe(*a, **kw)
 
-  mp.setattr(tr, "tail_alpha", probe)
+  mp.setattr(tr.learner, "tail_alpha", probe)
   batches = []
-  real_make = tr.make_batch
-  mp.setattr(tr, "make_batch",
-             lambda comps, **kw: batches.append(real_make(comps, **kw)) or batches[-1])
+  real_produce = tr.producer.produce
+  mp.setattr(tr.producer, "produce",
+             lambda *a, **kw: batches.append(real_produce(*a, **kw)) or batches[-1])
   with tr:
     out = tr.train_step()
   yield tr, out, probes, batches[0]
@@ -158,22 +166,22 @@ def test_ladder_probe_uses_the_whole_batch_and_the_response_mask(ds_step):
   tr, out, probes, batch = ds_step
   assert len(probes) == 1 and np.isfinite(out["ladder/probe_tail_alpha"])
   assert out["ladder/checks"] == 1.0 and out["ladder/probe_skipped"] == 0.0
-  (arrays, schedule, lora, mask, plan), kw = probes[0]
+  (params, arrays, schedule, lora, mask, plan), kw = probes[0]
   assert arrays["tokens"].shape[0] == 4 * G  # every row, including the zero-variance group
   assert sorted(np.concatenate([m.index for m in plan])) == list(range(4 * G))
   assert schedule.name == "constant-2" and lora is tr.lora
-  np.testing.assert_array_equal(np.asarray(mask), batch["mask"])
+  np.testing.assert_array_equal(np.asarray(mask), batch.mask)
   assert kw["min_count"] == 4 and tr.temperature == 1.0
   # No position bin with enough tokens: the probe is skipped, not NaN, and nothing crashes.
   tr.cfg = tr.cfg.replace(probe_min_count=10**6)
-  skipped = tr.maybe_switch(2, batch)
+  skipped = hooks.ladder(tr, StepRecord(step=2, batch=batch))
   assert skipped["ladder/probe_skipped"] == 1.0 and "ladder/probe_tail_alpha" not in skipped
   assert skipped["ladder/checks"] == 1.0  # not counted as a check
 
 
 def test_monitor_and_distill_count_every_response_token(ds_step):
   _, out, _, batch = ds_step
-  n_resp = float(batch["mask"].sum())
+  n_resp = float(batch.mask.sum())
   assert out["reward/frac_zero_var_groups"] == 0.5
   assert out["rollout/tokens"] == n_resp
   assert out["mismatch/tokens"] == n_resp
@@ -184,8 +192,8 @@ def test_optimizer_state_starts_in_the_layout_the_update_returns(ds_step):
   """A fresh optimizer state is laid out as the guarded apply returns it (counts replicated
   on the mesh, not on one device): otherwise step 2 compiles the apply programs again."""
   tr = ds_step[0]
-  for tx, tree, after in ((tr.tx, tr.params, tr.opt_state),
-                          (tr.lora_tx, tr.lora, tr.lora_opt_state)):
+  for tx, tree, after in ((tr.learner.tx, tr.params, tr.opt_state),
+                          (tr.learner.lora_tx, tr.lora, tr.lora_opt_state)):
     fresh, _ = tr._init_opt(tx, tree)
     for x, y in zip(jax.tree.leaves(fresh), jax.tree.leaves(after), strict=True):
       # jit keys on the sharding's kind: one device is not a mesh, even a 1-device one
@@ -199,8 +207,8 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   tr = _trainer(tmp_path, "distill=false", "schedule=dense", "temperature=0.7", "top_p=1.0",
                 "kl_coef=0.1", "skip_redundant_recompute=false")
   examples = tr.dataset.next_batch()
-  batch = tr.make_batch(tr.rollout(examples, 1))
-  rec = tr.recompute(batch)
+  batch = tr.make_batch(tr.producer.rollout(examples, 1)).arrays()
+  rec = _recompute(tr, batch)
   old, dense_lp, ref = rec["old_logp"], rec["dense_topk_logp"], rec["ref_logp"]
   m = batch["mask"] > 0
   np.testing.assert_allclose(np.asarray(old)[m], batch["rollout_logp"][m], atol=2e-5)
@@ -219,7 +227,7 @@ def test_training_logprobs_are_those_of_the_tempered_sampler(tmp_path):
   # The update's log-probs are tempered as well: on-policy ratios are exactly ~1.
   full = dict(tokens=batch["tokens"], lengths=batch["lengths"], old_logp=np.asarray(old),
               advantages=np.ones(4 * G, np.float32), mask=batch["mask"], ref_logp=np.asarray(ref))
-  _, metrics, _, _ = tr.mini_batch_grads(full)
+  _, metrics, _, _ = stages.mini_batch_grads(tr.learner, tr.params, full)
   assert abs(float(metrics["ratio_max"]) - 1) < 1e-5 and abs(float(metrics["ratio_min"]) - 1) < 1e-5
 
 
@@ -260,9 +268,9 @@ def test_top_p_and_top_k_only_shape_sampling(tmp_path):
   temp = 0.7
   tr = _trainer(tmp_path, "distill=false", "schedule=dense", f"temperature={temp}",
                 f"top_p={top_p}", f"top_k={top_k}")
-  batch = tr.make_batch(tr.rollout(tr.dataset.next_batch(), 1))
+  batch = tr.make_batch(tr.producer.rollout(tr.dataset.next_batch(), 1)).arrays()
   tokens = jnp.asarray(batch["tokens"])
-  old = tr.recompute(batch)["old_logp"]
+  old = _recompute(tr, batch)["old_logp"]
   logits = np.asarray(nnx.merge(tr.graphdef, tr.params)(tokens), np.float64) / temp
   probs = np.exp(logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True))  # [B, T, V]
   top = -np.sort(-probs, axis=-1)[..., :top_k or None]  # the top-k set, descending
@@ -280,7 +288,7 @@ def test_top_p_and_top_k_only_shape_sampling(tmp_path):
 
 def test_dual_clip_is_on_by_default_and_null_turns_it_off(tmp_path):
   tr = _trainer(tmp_path, "distill=false")
-  assert tr.cfg.dual_clip_c == 3.0 and tr.loss_cfg.dual_clip_c == 3.0
+  assert tr.cfg.dual_clip_c == 3.0 and tr.learner.loss_cfg.dual_clip_c == 3.0
   for off in ("null", "none", "None"):
     assert get_train_config("tiny", [f"dual_clip_c={off}"]).dual_clip_c is None
   assert get_train_config("qwen3_4b", ["data=x.jsonl"]).dual_clip_c == 3.0
@@ -313,9 +321,9 @@ def test_micro_batched_gradient_equals_the_whole_mini_batch(tmp_path, agg):
                    f"micro_batch_size={2 * G}", "skip_redundant_recompute=false")
   for empty in (False, True):
     batch = _uneven_batch(whole.model_cfg.vocab_size, empty_micro=empty)
-    l1, m1, g1, _ = whole.mini_batch_grads(batch)
-    l2, m2, g2, _ = micro.mini_batch_grads(batch, params=whole.params)
-    assert len(micro.update_plan(batch["lengths"])) == 2
+    l1, m1, g1, _ = stages.mini_batch_grads(whole.learner, whole.params, batch)
+    l2, m2, g2, _ = stages.mini_batch_grads(micro.learner, whole.params, batch)
+    assert len(micro.learner.update_plan(batch["lengths"])) == 2
     assert np.isfinite(float(l2)) and all(np.isfinite(x).all() for x in _leaves(g2))
     np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5, atol=1e-7)
     for x, y in zip(_leaves(g2), _leaves(g1), strict=True):
@@ -330,12 +338,12 @@ def test_dynamic_sampling_refills_until_the_batch_is_informative(tmp_path, monke
   tr = _trainer(tmp_path, "distill=false", "dynamic_sampling=true", "max_refill_rounds=3")
   _patch_rewards(monkeypatch, tr, ["ZIZI", "ZZZI", "IIZI"])
   rounds = []
-  real_rollout = tr.rollout
-  monkeypatch.setattr(tr, "rollout", lambda ex, step, r=0: rounds.append(
-      real_rollout(ex, step, r)) or rounds[-1])
+  real_rollout = tr.producer.rollout
+  monkeypatch.setattr(tr.producer, "rollout", lambda ex, step, r=0, **kw: rounds.append(
+      real_rollout(ex, step, r, **kw)) or rounds[-1])
   with tr:
-    comps, rewards, info = tr.generate_groups(1)
-  assert info["rounds"] == 3 and len(info["completions"]) == 3 * 4 * G
+    comps, rewards, _, info = tr.producer.generate_groups(1)
+  assert info.rounds == 3 and len(info.completions) == 3 * 4 * G
   want = rounds[0][G:2 * G] + rounds[0][3 * G:] + rounds[1][3 * G:] + rounds[2][:G]
   assert all(a is b for a, b in zip(comps, want, strict=True))  # first informative, FIFO
   np.testing.assert_array_equal(rewards.reshape(-1, G), [[1, 0, 0, 0]] * 4)
