@@ -55,7 +55,10 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "max_grad_norm", "adam_eps", "ppo_epochs", "mini_batch_size",
                        "micro_batch_size", "remat", "eps_low", "eps_high", "dual_clip_c",
                        "loss_agg", "normalize_adv_std", "kl_coef", "kl_kind", "entropy_coeff",
-                       "tis_cap", "tis_mask_threshold", "dynamic_sampling",
+                       "tis_cap", "tis_mask_threshold", "tis_mask_low", "rollout_is",
+                       "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                       "rollout_rs_threshold", "rollout_token_veto_threshold", "rollout_mode",
+                       "dynamic_sampling",
                        "max_refill_rounds", "max_bad_steps", "logprob_chunk")),
     ("micro-batches", ("logprob_micro_batch_size", "max_tokens_per_micro_batch",
                        "logprob_max_tokens_per_micro_batch", "length_buckets_per_octave",
@@ -83,9 +86,6 @@ def field_names() -> list[str]:
   return [f.name for f in dataclasses.fields(TrainConfig)]
 
 
-def type_name(key: str) -> str:
-  """`int`, `float`, `str`, `bool`, or e.g. `float or null` for an optional field."""
-  tp = typing.get_type_hints(TrainConfig)[key]
 def undocumented(cls=TrainConfig) -> tuple[list[str], list[str]]:
   """(fields of `cls` without a meaning in KEY_DOCS or without a group, KEY_DOCS entries
   that name no field): both empty when the key reference is complete."""
@@ -95,6 +95,9 @@ def undocumented(cls=TrainConfig) -> tuple[list[str], list[str]]:
   return missing, sorted(set(KEY_DOCS) - set(names))
 
 
+def type_name(key: str) -> str:
+  """`int`, `float`, `str`, `bool`, or e.g. `float or null` for an optional field."""
+  tp = typing.get_type_hints(TrainConfig)[key]
   args = typing.get_args(tp)
   if type(None) in args:
     inner = [a for a in args if a is not type(None)]

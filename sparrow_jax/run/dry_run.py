@@ -116,6 +116,8 @@ def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
   name = cfg.model
   if cfg.model_path and os.path.exists(cfg.model_path):  # planned as the checkpoint it loads
     name = f"{cfg.model_path} (config.json / GGUF metadata)"
+  if cfg.model_path == "random":  # builders.RANDOM_WEIGHTS
+    name = f"{cfg.model} with RANDOM weights (model_path=random)"
   print(f"dry run: {name} ({plan.param_count / 1e9:.3f} B params) on {num_devices} "
         f"device(s), mesh {mesh.resolve(num_devices).describe()}, {cfg.num_slots} rollout "
         f"slots per device, sequences up to {seq} tokens, train micro-batch "
