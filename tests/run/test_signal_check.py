@@ -1,0 +1,51 @@
+"""ZeroSignalCheck (issue 50): the first K steps without a learning signal are warned about
+once, naming the reward, one response and the expected answer; zero-variance groups are
+counted for the summary."""
+
+import numpy as np
+import pytest
+
+from sparrow_jax.run.signal_check import ZeroSignalCheck
+
+TEXTS = ["", "The answer is \\boxed{72}.", "72", "I don't know"]
+GSM8K_ANSWER = "Natalia sold 48/2 = 24 clips in May. 48+24 = 72 altogether.\n#### 72"
+
+
+def test_all_zero_warns_once_at_step_k():
+  check = ZeroSignalCheck("exact_match", first_k=3)
+  out = [check.observe(s, np.zeros(4), 2, TEXTS, [GSM8K_ANSWER] * 4) for s in (1, 2, 3, 4, 5)]
+  assert out[0] is None and out[1] is None and out[3] is None and out[4] is None
+  msg = out[2]
+  assert msg.startswith("warning: no learning signal: in the first 3 steps (to step 3) every "
+                        "rollout scored 0 with reward=exact_match")
+  assert "'The answer is \\\\boxed{72}.'" in msg  # the first non-empty response
+  assert "48+24 = 72 altogether. #### 72'" in msg  # the expected answer, on one line
+  assert "experiments/prepare_data.py" in msg
+  assert check.summary() == {"zero_variance_groups": 10, "groups": 10}
+
+
+def test_zero_variance_without_zeros_and_signal_cases():
+  check = ZeroSignalCheck("boxed_exact", first_k=2)
+  assert check.observe(1, [1, 1, 0, 0], 2, TEXTS, ["72"] * 4) is None
+  msg = check.observe(2, [0, 0, 1, 1], 2, TEXTS, ["72"] * 4)
+  assert "every group's rewards were equal (zero variance) with reward=boxed_exact" in msg
+  # one group with signal in the first K steps: no warning, the flat groups still counted
+  check = ZeroSignalCheck("boxed_exact", first_k=2)
+  assert check.observe(1, [0, 0, 0, 0], 2, TEXTS, ["72"] * 4) is None
+  assert check.observe(2, [0, 1, 0, 0], 2, TEXTS, ["72"] * 4) is None
+  assert check.observe(3, [0, 0, 0, 0], 2, TEXTS, ["72"] * 4) is None
+  assert check.summary() == {"zero_variance_groups": 5, "groups": 6} and not check.warned
+  long = "x" * 500 + " so \\boxed{7}"
+  check = ZeroSignalCheck("r", first_k=1)
+  msg = check.observe(1, [0, 0], 2, [long, long], ["7", "7"])
+  assert "'...xxx" in msg and "so \\\\boxed{7}'" in msg and len(msg) < 900
+
+
+def test_bad_arguments():
+  with pytest.raises(ValueError, match="first_k=0"):
+    ZeroSignalCheck("r", first_k=0)
+  check = ZeroSignalCheck("r")
+  with pytest.raises(ValueError, match="group_size=3 does not divide the 4 rewards"):
+    check.observe(1, [0] * 4, 3, ["a"] * 4, ["b"] * 4)
+  with pytest.raises(ValueError, match="4 rewards, 2 responses"):
+    check.observe(1, [0] * 4, 2, ["a"] * 2, ["b"] * 4)
