@@ -56,6 +56,11 @@ jax preallocates 75% unless XLA_PYTHON_CLIENT_MEM_FRACTION is raised: train.py s
 rollout's prefill activations, the dense recompute's (no-grad) activations, host memory.
 The kv cache and training activations are summed although they peak in different phases:
 an engine that keeps its cache allocated between steps holds both.
+
+`plan_memory` only composes the terms, each a small function below it: `_training_state`
+(params, grads, optimizer, reference, LoRA), `_activations_item`, `_fsdp_buffers`,
+`_rollout_params_item`, `_training_phases` (over `_Work`'s forward / backward working sets),
+`_PoolGeometry`, `_rollout_workspaces`, `_size_pool` and `_all_phases`.
 """
 
 from __future__ import annotations
@@ -352,6 +357,9 @@ def _div_or_keep(n: int, t: int) -> int:
   return n // t if n % t == 0 else n
 
 
+# ----------------------------------------------------------------------------- the plan
+
+
 def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = None, *,
                 batch_slots: int, context_len: int, page_size: int = 16,
                 train_micro_batch: int, train_seq_len: int, lora_rank: int = 0,
@@ -391,6 +399,70 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   if decode_backend not in DECODE_BACKENDS:
     raise ValueError(f"plan_memory decode_backend={decode_backend!r}: expected one of "
                      f"{DECODE_BACKENDS}")
+  mesh_cfg, num_devices = _resolve_mesh(mesh_cfg, num_devices)
+  _check_args(batch_slots=batch_slots, context_len=context_len, page_size=page_size,
+              train_micro_batch=train_micro_batch, train_seq_len=train_seq_len,
+              optimizer=optimizer, landmark=landmark, lora_rank=lora_rank,
+              lora_targets=lora_targets, usable_fraction=usable_fraction,
+              kv_cache_fraction=kv_cache_fraction, kv_cache_bytes=kv_cache_bytes)
+  param_dtype = param_dtype or model_cfg.param_dtype
+  compute_dtype = compute_dtype or model_cfg.dtype
+  cfg = model_cfg.replace(param_dtype=param_dtype, dtype=compute_dtype)
+  sizes = mesh_cfg.axis_sizes()
+  if master_weights is None:
+    master_weights = optimizer != "sgd" and _itemsize(param_dtype) < _itemsize(opt_dtype)
+
+  state = _training_state(cfg, sizes, optimizer=optimizer, opt_dtype=opt_dtype,
+                          master_weights=master_weights, reference_model=reference_model,
+                          lora_rank=lora_rank, lora_targets=lora_targets,
+                          lora_dtype=lora_dtype)
+  work = _Work.of(cfg, sizes, state.params, activation_dtype=activation_dtype,
+                  logits_chunk=logits_chunk, attn_chunk=attn_chunk)
+  train = _TrainShape.of(work.groups, train_micro_batch=train_micro_batch,
+                         train_seq_len=train_seq_len, logprob_micro_batch=logprob_micro_batch,
+                         logprob_seq_len=logprob_seq_len)
+  items = list(state.items)
+  items.append(_activations_item(work, train, remat))
+  fsdp = _fsdp_buffers(cfg, sizes, state.params)
+  if fsdp.item is not None:
+    items.append(fsdp.item)
+  rollout_params = _rollout_params_item(cfg, sizes, state.n_params)
+  if rollout_params is not None:
+    items.append(rollout_params)
+  train_phases = _training_phases(
+      items, work, train, fsdp, logprob_topk=logprob_topk, skip_recompute=skip_recompute,
+      reference_model=reference_model, lora_rank=lora_rank, distill=distill, probe=probe)
+
+  geo = _PoolGeometry.of(cfg, batch_slots=batch_slots, context_len=context_len,
+                         page_size=page_size, cache_dtype=cache_dtype or compute_dtype,
+                         landmark=landmark, landmark_dtype=landmark_dtype)
+  ws = _rollout_workspaces(work, geo, prefill_len=prefill_len,
+                           max_prefill_tokens=max_prefill_tokens, landmark=landmark,
+                           decode_pages=decode_pages, decode_backend=decode_backend)
+  rollout_bytes = rollout_params.per_device if rollout_params is not None else 0
+  pool = _size_pool(
+      geo, ws, train_phases, rollout_params=rollout_bytes,
+      rollout_resident=_rollout_resident(items), usable=device_bytes * usable_fraction,
+      release_kv_cache=release_kv_cache, kv_cache_pages=kv_cache_pages,
+      kv_cache_bytes=kv_cache_bytes, kv_cache_fraction=kv_cache_fraction,
+      mean_context_len=mean_context_len)
+  items.append(_kv_cache_item(geo, pool))
+  phases = _all_phases(train_phases, geo, ws, pool, rollout_params=rollout_bytes,
+                       rollout_resident=_rollout_resident(items),
+                       release_kv_cache=release_kv_cache)
+  return MemoryPlan(
+      kv_pool_pages=int(pool.pages), kv_bytes_per_page=int(geo.per_page),
+      kv_min_pages=geo.max_pages + 1, concurrency=pool.concurrency,
+      concurrency_held=pool.concurrency_held, phases=tuple(phases),
+      pool_released=release_kv_cache, pool_room=float(max(pool.left, 0.0)),
+      model=model_cfg.name, mesh=mesh_cfg, num_devices=num_devices, device_bytes=device_bytes,
+      usable_fraction=usable_fraction, param_count=state.n_params,
+      param_bytes_total=state.p_tot, items=tuple(items),
+      fallbacks=tuple(sh.summarize_fallbacks(state.fallbacks)))
+
+
+def _resolve_mesh(mesh_cfg, num_devices: int | None) -> tuple[sh.MeshConfig, int]:
+  """The mesh with its -1 axis resolved, and the device count."""
   if not isinstance(mesh_cfg, sh.MeshConfig):
     mesh_cfg = sh.parse_mesh(mesh_cfg)
   if num_devices is None:
@@ -398,8 +470,12 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
       raise ValueError(f"plan_memory: mesh {mesh_cfg.describe()} has a -1 axis; pass "
                        "num_devices")
     num_devices = math.prod(mesh_cfg.shape)
-  mesh_cfg = mesh_cfg.resolve(num_devices)
-  sizes = mesh_cfg.axis_sizes()
+  return mesh_cfg.resolve(num_devices), num_devices
+
+
+def _check_args(*, batch_slots, context_len, page_size, train_micro_batch, train_seq_len,
+                optimizer, landmark, lora_rank, lora_targets, usable_fraction,
+                kv_cache_fraction, kv_cache_bytes) -> None:
   for name, v in (("batch_slots", batch_slots), ("context_len", context_len),
                   ("page_size", page_size), ("train_micro_batch", train_micro_batch),
                   ("train_seq_len", train_seq_len)):
@@ -423,177 +499,311 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   if kv_cache_bytes is not None and kv_cache_bytes <= 0:
     raise ValueError(f"plan_memory kv_cache_bytes={kv_cache_bytes}: expected > 0")
 
-  param_dtype = param_dtype or model_cfg.param_dtype
-  compute_dtype = compute_dtype or model_cfg.dtype
-  cache_dtype = cache_dtype or compute_dtype
-  cfg = model_cfg.replace(param_dtype=param_dtype, dtype=compute_dtype)
-  pb, ob = _itemsize(param_dtype), _itemsize(opt_dtype)
-  if master_weights is None:
-    master_weights = optimizer != "sgd" and pb < ob
-  t = sizes["tensor"]
-  groups = sh.batch_divisor(sizes)
-  items: list[MemoryItem] = []
 
-  # --- parameters, gradients, optimizer --------------------------------------------------
+# ----------------------------------------------------------------------------- training state
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+  """The rows held between phases: params, grads, optimizer, reference, LoRA."""
+
+  items: tuple[MemoryItem, ...]
+  params: dict  # the abstract parameter tree
+  n_params: int
+  p_tot: int  # bytes of all parameters once
+  fallbacks: list
+
+
+def _training_state(cfg: ModelConfig, sizes, *, optimizer, opt_dtype, master_weights,
+                    reference_model, lora_rank, lora_targets, lora_dtype) -> _State:
   params = abstract_params(cfg)
   p_dev, p_tot, fallbacks = per_device_bytes(params, sizes)
-  o_dev_elems = p_dev // pb
+  pb = _itemsize(cfg.param_dtype)
   n_params = p_tot // pb
-  items.append(MemoryItem("params", p_dev, f"{n_params / 1e9:.3f} B x {param_dtype}"))
-  items.append(MemoryItem("grads", p_dev, f"{param_dtype}, sharded like params"))
-  n_mom = _MOMENTS[optimizer]
-  opt = (n_mom + int(master_weights)) * o_dev_elems * ob + (4 if n_mom else 0)
-  opt_note = (f"{optimizer}: {n_mom} moments {opt_dtype}"
-              + (f" + {opt_dtype} master copy" if master_weights else ""))
-  items.append(MemoryItem("optimizer", opt, opt_note))
+  items = [MemoryItem("params", p_dev, f"{n_params / 1e9:.3f} B x {cfg.param_dtype}"),
+           MemoryItem("grads", p_dev, f"{cfg.param_dtype}, sharded like params"),
+           _optimizer_item(p_dev // pb, optimizer, opt_dtype, master_weights)]
   if reference_model:
     items.append(MemoryItem("reference", p_dev, "frozen reference policy (KL)"))
-
-  # --- LoRA --------------------------------------------------------------------------------
   if lora_rank > 0:
-    lora = abstract_lora(cfg, lora_rank, lora_targets, lora_dtype)
-    l_dev, l_tot, lfb = per_device_bytes(lora, sizes)
+    lora, lfb = _lora_item(cfg, sizes, lora_rank, lora_targets, lora_dtype, optimizer,
+                           opt_dtype)
+    items.append(lora)
     fallbacks += lfb
-    lb = _itemsize(lora_dtype)
-    l_master = n_mom > 0 and lb < ob
-    l_opt = (n_mom + int(l_master)) * (l_dev // lb) * ob
-    items.append(MemoryItem(
-        "lora", 2 * l_dev + l_opt,
-        f"r={lora_rank} on {','.join(lora_targets)}: {l_tot // lb / 1e6:.1f} M x {lora_dtype}"
-        f" + grads + {n_mom} moments"))
+  return _State(tuple(items), params, n_params, p_tot, fallbacks)
 
-  # --- per-phase working sets (run/compile_plan.py measures the same programs) ------------
-  a = _itemsize(activation_dtype or compute_dtype)
-  b = -(-train_micro_batch // groups)
-  seq = train_seq_len
-  d = cfg.hidden_size
-  n_h, f_d, v_d = (_div_or_keep(cfg.num_heads, t), _div_or_keep(cfg.intermediate_size, t),
-                   _div_or_keep(cfg.vocab_size, t))
-  kh = _div_or_keep(cfg.num_kv_heads, t)
-  # One layer's activations per token (elements): x / norms / residuals, q / o, k / v, the
-  # MLP's gate / up / product.
-  e_layer = 4 * d + 2 * n_h * cfg.head_dim + 2 * kh * cfg.head_dim + 3 * f_d
-  layer_dev, _, _ = per_device_bytes(params["layers"], sizes, dtype="float32")
-  layer_elems = layer_dev // 4  # the decoder's stacked (scanned) layer weights
-  ci = _itemsize(compute_dtype)
-  chunk_tokens = logits_chunk or 128
 
-  def logits_bytes(rows_dev, rows, length):
-    c = time_chunk(chunk_tokens, rows, length)
-    return rows_dev * c * v_d * 4
+def _optimizer_item(elems: int, optimizer: str, opt_dtype: str,
+                    master_weights: bool) -> MemoryItem:
+  """Moments (and a master copy) of `elems` parameters per device, plus the step count."""
+  n_mom = _MOMENTS[optimizer]
+  opt = (n_mom + int(master_weights)) * elems * _itemsize(opt_dtype) + (4 if n_mom else 0)
+  note = (f"{optimizer}: {n_mom} moments {opt_dtype}"
+          + (f" + {opt_dtype} master copy" if master_weights else ""))
+  return MemoryItem("optimizer", opt, note)
 
-  def attn_bytes(rows_dev, length):
-    c = min(attn_chunk, length)
-    return rows_dev * c * n_h * length * 4
 
-  def forward_ws(rows_dev, rows, length):
-    """Temporaries of a no-grad forward (recompute, reference)."""
-    n = rows_dev * length
-    return (layer_elems * a + _RHO_FWD * n * e_layer * a + _ATTN_FWD * attn_bytes(rows_dev, length)
-            + _LOGITS_FWD * logits_bytes(rows_dev, rows, length))
+def _lora_item(cfg: ModelConfig, sizes, rank: int, targets, dtype: str, optimizer: str,
+               opt_dtype: str) -> tuple[MemoryItem, list]:
+  """LoRA factors, their gradient and optimizer moments; and the sharding fallbacks."""
+  lora = abstract_lora(cfg, rank, targets, dtype)
+  l_dev, l_tot, fallbacks = per_device_bytes(lora, sizes)
+  lb, ob, n_mom = _itemsize(dtype), _itemsize(opt_dtype), _MOMENTS[optimizer]
+  l_master = n_mom > 0 and lb < ob
+  l_opt = (n_mom + int(l_master)) * (l_dev // lb) * ob
+  item = MemoryItem("lora", 2 * l_dev + l_opt,
+                    f"r={rank} on {','.join(targets)}: {l_tot // lb / 1e6:.1f} M x {dtype}"
+                    f" + grads + {n_mom} moments")
+  return item, fallbacks
 
-  def backward_ws(rows_dev, rows, length, remat_):
-    """Temporaries of a forward + backward (update, DistillSparse) besides the gradients."""
-    n = rows_dev * length
-    saved = n * cfg.num_layers * (d if remat_ else _SIGMA_NO_REMAT * e_layer) * a
-    return (layer_elems * ci + saved + _RHO_BWD * n * e_layer * a
-            + _ATTN_BWD * attn_bytes(rows_dev, length)
-            + _LOGITS_BWD * logits_bytes(rows_dev, rows, length))
 
-  act = int(backward_ws(b, train_micro_batch, seq, remat))
-  items.append(MemoryItem(
-      "activations", act,
-      f"update micro-batch: {b} seq x {seq} tok per device, remat={remat}"))
+@dataclasses.dataclass(frozen=True)
+class _Fsdp:
+  item: MemoryItem | None
+  fsdp: int  # a forward/backward's gathered buffers
+  fwd: int  # a no-grad forward's
 
-  # --- FSDP all-gather buffers ---------------------------------------------------------------
-  fsdp = fsdp_fwd = 0
-  if sizes["fsdp"] > 1:
-    layer1, _, _ = per_device_bytes(params["layers"][0], {"data": 1, "fsdp": 1, "tensor": t})
-    embed = _div_or_keep(cfg.vocab_size, t) * d * pb
-    fsdp = 2 * max(layer1, embed)
-    # A no-grad forward gathers layer by layer; its LM head needs no gathered embedding (the
-    # batch-sharded logits are computed from the sharded table; compiled: 7.5 GB per device
-    # for the 1.7B recompute on 4 devices, with 2 gathered layers).
-    fsdp_fwd = 2 * layer1
-    items.append(MemoryItem("fsdp_buffers", fsdp,
-                            "2 gathered layers (or the embedding) per tensor shard"))
 
-  # --- rollout parameters (replicated for the engine) ------------------------------------
-  rollout_params = 0
-  if sizes["fsdp"] * t > 1 or ci < pb:
-    rollout_params = n_params * min(ci, pb)
-    items.append(MemoryItem("rollout_params", rollout_params,
-                            f"replicated rollout copy in {compute_dtype if ci < pb else param_dtype}"))
+def _fsdp_buffers(cfg: ModelConfig, sizes, params: dict) -> _Fsdp:
+  """Gathered weights of a forward/backward (`fsdp`) and of a no-grad forward."""
+  if sizes["fsdp"] <= 1:
+    return _Fsdp(None, 0, 0)
+  t = sizes["tensor"]
+  layer1, _, _ = per_device_bytes(params["layers"][0], {"data": 1, "fsdp": 1, "tensor": t})
+  embed = _div_or_keep(cfg.vocab_size, t) * cfg.hidden_size * _itemsize(cfg.param_dtype)
+  fsdp = 2 * max(layer1, embed)
+  # A no-grad forward gathers layer by layer; its LM head needs no gathered embedding (the
+  # batch-sharded logits are computed from the sharded table; compiled: 7.5 GB per device
+  # for the 1.7B recompute on 4 devices, with 2 gathered layers).
+  item = MemoryItem("fsdp_buffers", fsdp, "2 gathered layers (or the embedding) per tensor shard")
+  return _Fsdp(item, fsdp, 2 * layer1)
 
-  # --- phases ------------------------------------------------------------------------------
+
+def _rollout_params_item(cfg: ModelConfig, sizes, n_params: int) -> MemoryItem | None:
+  """The engine's replicated copy of the parameters, when it cannot use the training ones."""
+  ci, pb = _itemsize(cfg.dtype), _itemsize(cfg.param_dtype)
+  if not (sizes["fsdp"] * sizes["tensor"] > 1 or ci < pb):
+    return None
+  return MemoryItem("rollout_params", n_params * min(ci, pb),
+                    f"replicated rollout copy in {cfg.dtype if ci < pb else cfg.param_dtype}")
+
+
+def _rollout_resident(items) -> int:
+  """What stays while rolling out: the training state (params, optimizer, reference,
+  LoRA); the engine's parameter copy and the pool are the rollout phases' own."""
   item = {i.name: i.per_device for i in items}
+  return item["params"] + (item["optimizer"] + item.get("reference", 0) + item.get("lora", 0))
+
+
+# ----------------------------------------------------------------------------- training phases
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+  """Working-set model of one device's forward / backward (run/compile_plan.py measures the
+  same programs): per-token activations of one layer, attention and logits chunks."""
+
+  cfg: ModelConfig
+  groups: int  # batch shards: rows of a micro-batch are split over them
+  a: int  # bytes of an activation element
+  ci: int  # bytes of a compute-dtype element
+  n_h: int  # heads, intermediate size, vocabulary, kv heads per tensor shard
+  f_d: int
+  v_d: int
+  kh: int
+  e_layer: int  # one layer's activations per token (elements)
+  layer_elems: int  # the decoder's stacked (scanned) layer weights per device
+  chunk_tokens: int
+  attn_chunk: int
+
+  @classmethod
+  def of(cls, cfg: ModelConfig, sizes, params: dict, *, activation_dtype, logits_chunk,
+         attn_chunk) -> _Work:
+    t = sizes["tensor"]
+    n_h, f_d, v_d = (_div_or_keep(cfg.num_heads, t), _div_or_keep(cfg.intermediate_size, t),
+                     _div_or_keep(cfg.vocab_size, t))
+    kh = _div_or_keep(cfg.num_kv_heads, t)
+    # x / norms / residuals, q / o, k / v, the MLP's gate / up / product.
+    e_layer = 4 * cfg.hidden_size + 2 * n_h * cfg.head_dim + 2 * kh * cfg.head_dim + 3 * f_d
+    layer_dev, _, _ = per_device_bytes(params["layers"], sizes, dtype="float32")
+    return cls(cfg=cfg, groups=sh.batch_divisor(sizes),
+               a=_itemsize(activation_dtype or cfg.dtype), ci=_itemsize(cfg.dtype),
+               n_h=n_h, f_d=f_d, v_d=v_d, kh=kh, e_layer=e_layer, layer_elems=layer_dev // 4,
+               chunk_tokens=logits_chunk or 128, attn_chunk=attn_chunk)
+
+  def logits_bytes(self, rows_dev, rows, length):
+    c = time_chunk(self.chunk_tokens, rows, length)
+    return rows_dev * c * self.v_d * 4
+
+  def attn_bytes(self, rows_dev, length):
+    c = min(self.attn_chunk, length)
+    return rows_dev * c * self.n_h * length * 4
+
+  def forward_ws(self, rows_dev, rows, length):
+    """Temporaries of a no-grad forward (recompute, reference)."""
+    n, a = rows_dev * length, self.a
+    return (self.layer_elems * a + _RHO_FWD * n * self.e_layer * a
+            + _ATTN_FWD * self.attn_bytes(rows_dev, length)
+            + _LOGITS_FWD * self.logits_bytes(rows_dev, rows, length))
+
+  def backward_ws(self, rows_dev, rows, length, remat_):
+    """Temporaries of a forward + backward (update, DistillSparse) besides the gradients."""
+    n, a = rows_dev * length, self.a
+    per_token = self.cfg.hidden_size if remat_ else _SIGMA_NO_REMAT * self.e_layer
+    saved = n * self.cfg.num_layers * per_token * a
+    return (self.layer_elems * self.ci + saved + _RHO_BWD * n * self.e_layer * a
+            + _ATTN_BWD * self.attn_bytes(rows_dev, length)
+            + _LOGITS_BWD * self.logits_bytes(rows_dev, rows, length))
+
+
+@dataclasses.dataclass(frozen=True)
+class _TrainShape:
+  """Micro-batches per device: the update's (b rows of seq tokens, of `rows` globally) and
+  the no-grad forwards' (lb of lb_seq, of `lb_rows`)."""
+
+  rows: int
+  b: int
+  seq: int
+  lb_rows: int
+  lb: int
+  lb_seq: int
+
+  @classmethod
+  def of(cls, groups: int, *, train_micro_batch, train_seq_len, logprob_micro_batch,
+         logprob_seq_len) -> _TrainShape:
+    lb_rows = logprob_micro_batch or train_micro_batch
+    return cls(rows=train_micro_batch, b=-(-train_micro_batch // groups), seq=train_seq_len,
+               lb_rows=lb_rows, lb=-(-lb_rows // groups), lb_seq=logprob_seq_len or train_seq_len)
+
+
+def _activations_item(work: _Work, train: _TrainShape, remat: bool) -> MemoryItem:
+  act = int(work.backward_ws(train.b, train.rows, train.seq, remat))
+  return MemoryItem("activations", act, f"update micro-batch: {train.b} seq x {train.seq} tok "
+                    f"per device, remat={remat}")
+
+
+def _training_phases(items, work: _Work, train: _TrainShape, fsdp: _Fsdp, *, logprob_topk,
+                     skip_recompute, reference_model, lora_rank, distill,
+                     probe) -> list[PhasePlan]:
+  """The step's training phases in order, program and resident bytes unrounded."""
+  item = {i.name: i.per_device for i in items}
+  p_dev, act = item["params"], item["activations"]
   opt_b, ref_b, lora_b = item["optimizer"], item.get("reference", 0), item.get("lora", 0)
   lora_params = lora_b // 4 if lora_b else 0  # factors, grads, 2 moments (float32)
-  lb_rows = logprob_micro_batch or train_micro_batch
-  lb_seq = logprob_seq_len or seq
-  lb = -(-lb_rows // groups)
-  phases: list[PhasePlan] = []
+  lb, lb_rows, lb_seq = train.lb, train.lb_rows, train.lb_seq
+  fwd = work.forward_ws(lb, lb_rows, lb_seq)
   train_resident = opt_b + ref_b + lora_b
+  phases: list[PhasePlan] = []
   if not skip_recompute:
     phases.append(PhasePlan(
-        "recompute", p_dev + forward_ws(lb, lb_rows, lb_seq) + fsdp_fwd
-        + lb * lb_seq * (4 + 8 * logprob_topk), train_resident,
-        f"no-grad forward, {lb} seq x {lb_seq} tok per device"))
+        "recompute", p_dev + fwd + fsdp.fwd + lb * lb_seq * (4 + 8 * logprob_topk),
+        train_resident, f"no-grad forward, {lb} seq x {lb_seq} tok per device"))
   if reference_model:
-    phases.append(PhasePlan("reference", p_dev + forward_ws(lb, lb_rows, lb_seq) + fsdp_fwd,
-                            p_dev + opt_b + lora_b, "the KL reference's forward"))
+    phases.append(PhasePlan("reference", p_dev + fwd + fsdp.fwd, p_dev + opt_b + lora_b,
+                            "the KL reference's forward"))
   if lora_rank > 0 and distill:
+    bwd = work.backward_ws(train.b, train.rows, train.seq, True)
     phases.append(PhasePlan(
-        "distill", p_dev + 2 * lora_params + backward_ws(b, train_micro_batch, seq, True) + fsdp,
+        "distill", p_dev + 2 * lora_params + bwd + fsdp.fsdp,
         opt_b + ref_b + 2 * lora_params, "LoRA-only forward/backward through the sparse path"))
-  if lora_rank > 0 and distill:
     phases.append(PhasePlan("distill_apply", 4 * lora_params + int(_APPLY * lora_params),
                             p_dev + opt_b + ref_b, "the LoRA's optimizer step"))
   if probe:
     phases.append(PhasePlan(
-        "probe", p_dev + lora_params + forward_ws(lb, lb_rows, lb_seq)
-        + _RHO_FWD * lb * lb_seq * e_layer * a + fsdp_fwd, opt_b + ref_b + 3 * lora_params,
+        "probe", p_dev + lora_params + fwd + _RHO_FWD * lb * lb_seq * work.e_layer * work.a
+        + fsdp.fwd, opt_b + ref_b + 3 * lora_params,
         "ladder probe or exact alpha: dense and sparse(+LoRA) forwards"))
-  phases.append(PhasePlan("update", 2 * p_dev + p_dev + act + fsdp, train_resident,
+  phases.append(PhasePlan("update", 2 * p_dev + p_dev + act + fsdp.fsdp, train_resident,
                           "forward/backward: params + gradient accumulator + gradients"))
+  o_dev_elems = p_dev // _itemsize(work.cfg.param_dtype)
   phases.append(PhasePlan("update_apply", p_dev + opt_b + p_dev + int(_APPLY * o_dev_elems * 4),
                           ref_b + lora_b, "the optimizer step"))
+  return phases
 
-  # --- KV pool: what the rollout phase leaves, in whole pages ----------------------------
-  per_page = kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, page_size=page_size, dtype=cache_dtype,
-                               landmark=landmark, landmark_dtype=landmark_dtype)
-  max_pages = -(-context_len // page_size)
-  cap = batch_slots * max_pages + 1  # every slot at context_len (+ the null page)
-  tables = batch_slots * (max_pages * 4 + 4)  # page table rows + lengths
-  # While rolling out: the training state stays (params, optimizer, reference, LoRA), the
-  # engine holds its parameter copy and the pool, one decode step's or prefill's work runs.
-  rollout_resident = p_dev + train_resident
-  # A prefill runs the admitted prompts together, or one readmitted sequence alone.
+
+# ----------------------------------------------------------------------------- rollout
+
+
+@dataclasses.dataclass(frozen=True)
+class _PoolGeometry:
+  """The engine's pages: bytes of one page, pages of one maximum-length sequence, the pool's
+  cap (every slot at context_len + the null page), the page tables' bytes."""
+
+  batch_slots: int
+  context_len: int
+  page_size: int
+  cache_dtype: str
+  landmark: str
+  per_page: int
+  max_pages: int
+  cap: int
+  tables: int
+
+  @classmethod
+  def of(cls, cfg: ModelConfig, *, batch_slots, context_len, page_size, cache_dtype, landmark,
+         landmark_dtype) -> _PoolGeometry:
+    per_page = kv_bytes_per_page(num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                                 head_dim=cfg.head_dim, page_size=page_size, dtype=cache_dtype,
+                                 landmark=landmark, landmark_dtype=landmark_dtype)
+    max_pages = -(-context_len // page_size)
+    return cls(batch_slots=batch_slots, context_len=context_len, page_size=page_size,
+               cache_dtype=cache_dtype, landmark=landmark, per_page=per_page,
+               max_pages=max_pages, cap=batch_slots * max_pages + 1,
+               tables=batch_slots * (max_pages * 4 + 4))  # page table rows + lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class _RolloutWork:
+  prefill_rows: int  # prompts a prefill runs together
+  prompt: int  # tokens of each
+  prefill: int  # bytes: a prefill's, a readmission's and a decode step's working sets
+  readmit: int
+  decode: int
+
+
+def _rollout_workspaces(work: _Work, geo: _PoolGeometry, *, prefill_len, max_prefill_tokens,
+                        landmark, decode_pages, decode_backend) -> _RolloutWork:
+  """Working sets of the engine's programs: a prefill runs the admitted prompts together,
+  or one readmitted sequence alone; a decode step samples every slot and, in the sparse
+  layers, selects pages (and on the XLA path gathers them; dense layers walk 16-page blocks:
+  small)."""
+  a, v_d, slots, context_len = work.a, work.v_d, geo.batch_slots, geo.context_len
   prompt = min(prefill_len or context_len, context_len)
-  prefill_rows = batch_slots
+  prefill_rows = slots
   if max_prefill_tokens:  # (the engine pads rows to a power of two within the limit)
-    prefill_rows = min(batch_slots,
-                       max(1, 1 << ((max_prefill_tokens // prompt).bit_length() - 1)))
+    prefill_rows = min(slots, max(1, 1 << ((max_prefill_tokens // prompt).bit_length() - 1)))
   prefill_tokens = prefill_rows * prompt
-  prefill_ws = int(_RHO_PREFILL * prefill_tokens * e_layer * a + batch_slots * 3 * v_d * 4)
-  readmit_ws = int(_RHO_PREFILL * context_len * e_layer * a + 3 * v_d * 4)
-  # One decode step per slot: sampling rows, plus the sparse layers' page selection and, on
-  # the XLA path, the gathered pages (dense layers walk 16-page blocks: small).
-  kv_row = kh * cfg.head_dim * 4  # one token's (or landmark's) K or V row, float32
+  prefill_ws = int(_RHO_PREFILL * prefill_tokens * work.e_layer * a + slots * 3 * v_d * 4)
+  readmit_ws = int(_RHO_PREFILL * context_len * work.e_layer * a + 3 * v_d * 4)
+  kv_row = work.kh * work.cfg.head_dim * 4  # one token's (or landmark's) K or V row, float32
   sparse = landmark != "none"
-  lm_gather = 2 * max_pages * kv_row if sparse else 0
-  read_pages = min(decode_pages or max_pages, max_pages) if sparse else 16
-  kv_gather = 2 * read_pages * page_size * kv_row if decode_backend == "xla" else 0
-  decode_ws = int(batch_slots * (3 * v_d * 4 + 8 * d * 4
-                                 + (_DECODE_XLA if decode_backend == "xla" else 1.0)
-                                 * (lm_gather + kv_gather)))
-  rollout_ws = rollout_params + tables + max(prefill_ws, readmit_ws, decode_ws)
-  usable = device_bytes * usable_fraction
+  lm_gather = 2 * geo.max_pages * kv_row if sparse else 0
+  read_pages = min(decode_pages or geo.max_pages, geo.max_pages) if sparse else 16
+  kv_gather = 2 * read_pages * geo.page_size * kv_row if decode_backend == "xla" else 0
+  decode_ws = int(slots * (3 * v_d * 4 + 8 * work.cfg.hidden_size * 4
+                           + (_DECODE_XLA if decode_backend == "xla" else 1.0)
+                           * (lm_gather + kv_gather)))
+  return _RolloutWork(prefill_rows, prompt, prefill_ws, readmit_ws, decode_ws)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pool:
+  pages: int  # of one device's pool, null page included
+  how: str  # what it was sized from
+  left: float  # bytes it was sized from (before kv_cache_fraction)
+  concurrency: dict
+  concurrency_held: dict  # were the pool kept through training
+
+
+def _size_pool(geo: _PoolGeometry, ws: _RolloutWork, train_phases, *, rollout_params: int,
+               rollout_resident: int, usable: float, release_kv_cache: bool, kv_cache_pages,
+               kv_cache_bytes, kv_cache_fraction, mean_context_len) -> _Pool:
+  """The KV pool in whole pages: what the rollout phase leaves of the usable memory (vLLM's
+  gpu_memory_utilization), or a given size. Held through training too
+  (release_kv_cache=false), it must also fit beside the largest training phase."""
+  rollout_ws = rollout_params + geo.tables + max(ws.prefill, ws.readmit, ws.decode)
   left_rollout = usable - rollout_resident - rollout_ws
-  # Held through training too (release_kv_cache=false): the pool must also fit beside the
-  # largest training phase.
-  left_train = usable - max(ph.total for ph in phases)
+  left_train = usable - max(ph.total for ph in train_phases)
   left_held = min(left_rollout, left_train)
   left = left_rollout if release_kv_cache else left_held
 
@@ -601,10 +811,9 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
     if kv_cache_pages is not None:
       return int(kv_cache_pages)
     if kv_cache_bytes is not None:
-      return min(int(kv_cache_bytes) // per_page, cap)
-    return min(int(max(room, 0.0) * kv_cache_fraction) // per_page, cap)
+      return min(int(kv_cache_bytes) // geo.per_page, geo.cap)
+    return min(int(max(room, 0.0) * kv_cache_fraction) // geo.per_page, geo.cap)
 
-  pool_pages = pages_for_left(left)
   if kv_cache_pages is not None:
     how = "a given pool size"
   elif kv_cache_bytes is not None:
@@ -612,42 +821,50 @@ def plan_memory(model_cfg: ModelConfig, mesh_cfg: sh.MeshConfig | str | None = N
   else:
     how = (f"{kv_cache_fraction:.0%} of the {max(left, 0.0) / GB:.2f} GB the "
            f"{'rollout phase' if release_kv_cache else 'largest phase'} leaves")
-  pool = pool_pages * per_page
-  mean_len = mean_context_len or max(context_len // 2, 1)
+  pages = pages_for_left(left)
+  mean_len = mean_context_len or max(geo.context_len // 2, 1)
+  return _Pool(pages, how, left, _concurrency(geo, pages, mean_len),
+               _concurrency(geo, pages_for_left(left_held), mean_len))
 
-  def concurrency_of(pages):
-    usable_pages = max(pages - 1, 0)
-    return {"max_len": context_len, "mean_len": mean_len,
-            "at_max": min(batch_slots, usable_pages // max_pages),
-            "at_mean": min(batch_slots, usable_pages // -(-mean_len // page_size))}
 
-  concurrency = concurrency_of(pool_pages)
-  held = concurrency_of(pages_for_left(left_held))
-  items.append(MemoryItem(
-      "kv_cache", pool + tables,
-      f"{pool_pages} pages x {page_size} tok ({how}{', capped at every slot full' if pool_pages == cap else ''}); "
-      f"{per_page / 1e6:.3f} MB/page, {cache_dtype}, landmarks={landmark}; {batch_slots} "
-      f"slots/device; concurrent sequences: {concurrency['at_mean']} at the mean length "
-      f"{mean_len}, {concurrency['at_max']} at the max {context_len}"))
-  phases = [dataclasses.replace(ph, program=int(ph.program), resident=int(ph.resident))
-            for ph in phases]
-  phases.insert(0, PhasePlan("rollout_decode", rollout_params + pool + tables + decode_ws,
-                             rollout_resident, "decode steps: engine weights + KV pool"))
-  phases.insert(1, PhasePlan("rollout_prefill", rollout_params + pool + tables + prefill_ws,
-                             rollout_resident,
-                             f"prefill: {prefill_rows} admitted prompts x {prompt} tokens"))
-  phases.insert(2, PhasePlan("rollout_readmit", rollout_params + pool + tables + readmit_ws,
-                             rollout_resident,
-                             f"prefill of one readmitted sequence at {context_len} tokens"))
+def _concurrency(geo: _PoolGeometry, pages: int, mean_len: int) -> dict:
+  """Sequences of the maximum and of the mean length a pool of `pages` holds at once."""
+  usable_pages = max(pages - 1, 0)
+  return {"max_len": geo.context_len, "mean_len": mean_len,
+          "at_max": min(geo.batch_slots, usable_pages // geo.max_pages),
+          "at_mean": min(geo.batch_slots, usable_pages // -(-mean_len // geo.page_size))}
+
+
+def _kv_cache_item(geo: _PoolGeometry, pool: _Pool) -> MemoryItem:
+  conc = pool.concurrency
+  capped = ", capped at every slot full" if pool.pages == geo.cap else ""
+  return MemoryItem(
+      "kv_cache", pool.pages * geo.per_page + geo.tables,
+      f"{pool.pages} pages x {geo.page_size} tok ({pool.how}{capped}); "
+      f"{geo.per_page / 1e6:.3f} MB/page, {geo.cache_dtype}, landmarks={geo.landmark}; "
+      f"{geo.batch_slots} slots/device; concurrent sequences: {conc['at_mean']} at the mean "
+      f"length {conc['mean_len']}, {conc['at_max']} at the max {geo.context_len}")
+
+
+def _all_phases(train_phases, geo: _PoolGeometry, ws: _RolloutWork, pool: _Pool, *,
+                rollout_params: int, rollout_resident: int,
+                release_kv_cache: bool) -> list[PhasePlan]:
+  """The rollout phases (engine weights, pool and one program's working set, beside the
+  training state), then the training phases in whole bytes; a pool held through training
+  adds to every training phase's resident bytes."""
+  engine = rollout_params + pool.pages * geo.per_page + geo.tables
+  phases = [
+      PhasePlan("rollout_decode", engine + ws.decode, rollout_resident,
+                "decode steps: engine weights + KV pool"),
+      PhasePlan("rollout_prefill", engine + ws.prefill, rollout_resident,
+                f"prefill: {ws.prefill_rows} admitted prompts x {ws.prompt} tokens"),
+      PhasePlan("rollout_readmit", engine + ws.readmit, rollout_resident,
+                f"prefill of one readmitted sequence at {geo.context_len} tokens")]
+  phases += [dataclasses.replace(ph, program=int(ph.program), resident=int(ph.resident))
+             for ph in train_phases]
   if not release_kv_cache:
+    pool_bytes = pool.pages * geo.per_page + geo.tables
     phases = [ph if ph.name.startswith("rollout") else
-              dataclasses.replace(ph, resident=ph.resident + pool + tables,
+              dataclasses.replace(ph, resident=ph.resident + pool_bytes,
                                   note=ph.note + " (+ KV pool)") for ph in phases]
-
-  return MemoryPlan(
-      kv_pool_pages=int(pool_pages), kv_bytes_per_page=int(per_page),
-      kv_min_pages=max_pages + 1, concurrency=concurrency, concurrency_held=held,
-      phases=tuple(phases), pool_released=release_kv_cache, pool_room=float(max(left, 0.0)),
-      model=model_cfg.name, mesh=mesh_cfg, num_devices=num_devices, device_bytes=device_bytes,
-      usable_fraction=usable_fraction, param_count=n_params, param_bytes_total=p_tot,
-      items=tuple(items), fallbacks=tuple(sh.summarize_fallbacks(fallbacks)))
+  return phases

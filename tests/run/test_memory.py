@@ -270,3 +270,82 @@ def test_plan_mesh_errors():
   with pytest.raises(ValueError, match="product of the axis sizes is 8 but there are 4"):
     M.plan_memory(get_config("tiny"), "2x4x1", num_devices=4, **SMALL)
   assert sh.parse_mesh("2x4x1").resolve(8).shape == (2, 4, 1)
+
+
+# The plan's numbers as of d163683 (before plan_memory was split into one function per term):
+# the flagship's 1- and 4-device plans (`--config qwen3_1p7b --dry-run`) and one with every
+# optional term on. A change to any term's arithmetic shows here, to the byte.
+FLAGSHIP = dict(batch_slots=64, context_len=34816, train_seq_len=34816, logits_chunk=128,
+                landmark_dtype="bfloat16", device_bytes=141e9, kv_cache_fraction=0.8,
+                mean_context_len=18432, logprob_seq_len=34816, distill=False, prefill_len=2048,
+                decode_pages=256, max_prefill_tokens=32768)
+PINNED_FLAGSHIP = {
+    1: (42035, {"rollout_decode": (84248455424, 20646899716),
+                "rollout_prefill": (86281686231, 20646899716),
+                "rollout_readmit": (86365464852, 20646899716),
+                "recompute": (13140291174, 13764599812), "update": (39976960409, 13764599812),
+                "update_apply": (37095596486, 0)}),
+    4: (48581, {"rollout_decode": (96635791616, 5162840068),
+                "rollout_prefill": (98669022423, 5162840068),
+                "rollout_readmit": (98752801044, 5162840068),
+                "recompute": (6092666470, 3441893380), "update": (24634917273, 3441893380),
+                "update_apply": (9275902652, 0)})}
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_flagship_plan_is_pinned(n):
+  cfg = get_config("qwen3_1p7b", dtype="bfloat16", param_dtype="float32")
+  rows = 2 * n  # the preset's micro-batch: 2 rows per device
+  plan = M.plan_memory(cfg, "fsdp=-1", num_devices=n, train_micro_batch=rows,
+                       logprob_micro_batch=rows, **FLAGSHIP)
+  pages, phases = PINNED_FLAGSHIP[n]
+  assert plan.kv_pool_pages == pages
+  assert {p.name: (p.program, p.resident) for p in plan.phases} == phases
+  assert plan.concurrency == {"max_len": 34816, "mean_len": 18432,
+                              "at_max": {1: 19, 4: 22}[n], "at_mean": {1: 36, 4: 42}[n]}
+
+
+def test_plan_with_every_term_is_pinned():
+  plan = M.plan_memory(
+      get_config("qwen3_0p6b"), "data=2,fsdp=2,tensor=2", batch_slots=32, context_len=4096,
+      train_micro_batch=8, train_seq_len=4096, lora_rank=16, lora_targets=("q", "v", "down"),
+      reference_model=True, probe=True, release_kv_cache=False, landmark="quest",
+      decode_backend="xla", decode_pages=40, max_prefill_tokens=20000, prefill_len=512,
+      param_dtype="bfloat16", device_bytes=80e9)
+  assert plan.kv_pool_pages == 8193
+  assert {i.name: i.per_device for i in plan.items} == {
+      "params": 298123264, "grads": 298123264, "optimizer": 1788739588,
+      "reference": 298123264, "lora": 33031488, "activations": 1996215910,
+      "fsdp_buffers": 311164928, "rollout_params": 1192099840, "kv_cache": 31947751552}
+  assert {p.name: (p.program, p.resident) for p in plan.phases} == {
+      "rollout_decode": (33639833728, 2418017604), "rollout_prefill": (34311215969, 2418017604),
+      "rollout_readmit": (33426311224, 2418017604), "recompute": (1012157849, 34067645892),
+      "reference": (1010814361, 34067645892), "distill": (2622019846, 34051130148),
+      "distill_apply": (44509930, 34332737668), "probe": (1096247427, 34059388020),
+      "update": (3201750630, 34067645892), "update_apply": (3213768789, 32278906304)}
+
+
+def test_phase_residents_are_the_state_rows():
+  """What each phase holds beside its program, in terms of the plan's rows: rolling out keeps
+  the training state; a pool held through training adds to every training phase."""
+  kw = dict(SMALL, lora_rank=4, lora_targets=("q", "v"), reference_model=True, probe=True)
+  cfg = get_config("tiny")
+  plan = M.plan_memory(cfg, "1x1x1", **kw)
+  state = plan["params"] + plan["optimizer"] + plan["reference"] + plan["lora"]
+  for name in ("rollout_decode", "rollout_prefill", "rollout_readmit"):
+    assert plan.phase(name).resident == state
+    assert plan.phase(name).program > plan["kv_cache"]
+  assert plan.phase("update").resident == state - plan["params"]
+  assert plan.phase("distill_apply").resident == state - plan["lora"]
+  assert [p.name for p in plan.phases] == [
+      "rollout_decode", "rollout_prefill", "rollout_readmit", "recompute", "reference",
+      "distill", "distill_apply", "probe", "update", "update_apply"]
+  held = M.plan_memory(cfg, "1x1x1", release_kv_cache=False, kv_cache_pages=plan.kv_pool_pages,
+                       **kw)
+  for a, b in zip(plan.phases, held.phases):
+    extra = 0 if a.name.startswith("rollout") else plan["kv_cache"]
+    assert (b.program, b.resident) == (a.program, a.resident + extra), a.name
+  # No recompute (skipped) and no LoRA phases without distillation.
+  bare = M.plan_memory(cfg, "1x1x1", **dict(kw, skip_recompute=True, distill=False))
+  assert "recompute" not in [p.name for p in bare.phases]
+  assert "distill" not in [p.name for p in bare.phases]
