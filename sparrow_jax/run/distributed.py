@@ -10,18 +10,17 @@ hosts"). This module holds what that needs beyond the mesh itself:
                       refuses (`require_initialized`) an environment that describes a job
                       nobody joined.
   prompt_range()      the contiguous share of a step's prompt groups a process rolls out.
-  gather_completions  every process's completions packed into fixed-size arrays,
-                      all-gathered and unpacked, so every process holds the same batch in the
-                      single-process order.
+  gather_completions  every process's completions all-gathered, so every process holds the
+                      same batch in the single-process order (the packing into fixed-size
+                      arrays is `run/completion_wire.py`'s).
   fetch()             host values of jitted outputs: a batch-sharded array spans devices of
                       other processes and is read with a collective, never `np.asarray`.
   agree_stop()        a stop flag agreed by all processes at the end of a step (a signal on
                       any one stops all after the same step).
-  Watchdog            heartbeats through the coordination service's key-value store: a peer
-                      that stops beating (killed, hung, lost its host) or reports a failure
-                      ends this process with exit status 1 and a line naming it, in bounded
-                      time (`heartbeat_timeout_s`); the runtime's own heartbeat timeout stays
-                      a little longer as the backstop.
+  finish() / report_failure()  this process's final state for its peers' `Watchdog`
+                      (`run/watchdog.py`: heartbeats through the coordination service; a
+                      lost or failed peer ends the job with a line naming it), which
+                      `initialize` starts.
 
 Process 0 is the one writer of logs, plots, samples and exports (`is_writer`); checkpoints
 are written by every process through orbax.
@@ -32,19 +31,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
-import threading
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from sparrow_jax.run import completion_wire
+from sparrow_jax.run.watchdog import Watchdog
+
 log = logging.getLogger(__name__)
 
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30.0
-_KV_PREFIX = "sparrow_jax/heartbeat/"
-_FINISH = ("stop", "length", "context", "pruned")  # Completion.finish_reason codes
 
 
 # ----------------------------------------------------------------------------- joining a job
@@ -135,7 +132,7 @@ def _backends_started() -> bool:
     return False
 
 
-_WATCHDOG: "Watchdog | None" = None
+_WATCHDOG: Watchdog | None = None
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -262,85 +259,14 @@ def allgather_host(tree):
   return jax.tree.map(np.asarray, multihost_utils.process_allgather(tree, tiled=False))
 
 
-def pack_completions(comps: Sequence[Any], index: Sequence[int], *, rows: int, length: int,
-                     topk: int, hidden: int = 0) -> dict[str, np.ndarray]:
-  """Completions as fixed-size arrays of `rows` rows of `length` tokens (padding rows have
-  index -1). `index`: each completion's position in the global request list. `topk` /
-  `hidden`: top-k width / detection hidden size (0: none)."""
-  if len(comps) > rows:
-    raise ValueError(f"pack_completions: {len(comps)} completions > rows={rows}")
-  out = {"index": np.full((rows,), -1, np.int32), "n": np.zeros((rows,), np.int32),
-         "finish": np.zeros((rows,), np.int32), "preemptions": np.zeros((rows,), np.int32),
-         "pruned": np.zeros((rows,), np.int32), "detect_index": np.full((rows,), -1, np.int32),
-         "quality_logit": np.full((rows,), np.nan, np.float32),
-         "tokens": np.zeros((rows, length), np.int32),
-         "logprobs": np.zeros((rows, length), np.float32),
-         "topk_ids": np.zeros((rows, length, topk), np.int32),
-         "topk_logprobs": np.zeros((rows, length, topk), np.float32),
-         "hidden": np.zeros((rows, hidden), np.float32),
-         "has_hidden": np.zeros((rows,), np.int32)}
-  for r, (c, j) in enumerate(zip(comps, index)):
-    n = len(c.token_ids)
-    if n > length:
-      raise ValueError(f"pack_completions: completion {c.request_id!r} has {n} tokens > "
-                       f"length={length}")
-    out["index"][r], out["n"][r] = j, n
-    out["finish"][r] = _FINISH.index(c.finish_reason)
-    out["preemptions"][r], out["pruned"][r] = c.preemptions, int(c.pruned)
-    out["tokens"][r, :n], out["logprobs"][r, :n] = c.token_ids, c.logprobs
-    if topk and c.topk_ids is not None:
-      out["topk_ids"][r, :n], out["topk_logprobs"][r, :n] = c.topk_ids, c.topk_logprobs
-    if c.quality_logit is not None:
-      out["quality_logit"][r] = c.quality_logit
-    out["detect_index"][r] = c.detect_index
-    if hidden and c.detect_hidden is not None:
-      out["hidden"][r], out["has_hidden"][r] = np.ravel(c.detect_hidden), 1
-  return out
-
-
-def unpack_completions(packed: Mapping[str, np.ndarray], requests: Sequence[Any], *,
-                       topk: int, make: Callable[..., Any]) -> list:
-  """The inverse of `pack_completions` over stacked packs ([P, rows, ...] or [rows, ...]):
-  one completion per request, in request order (`make` = engine.Completion; prompt ids
-  come from `requests`). Raises ValueError when a request has no completion or several."""
-  stacked = np.ndim(packed["index"]) == 2  # [P, rows]: merge the process axis
-  flat = {k: np.asarray(v) for k, v in packed.items()}
-  if stacked:
-    flat = {k: v.reshape((v.shape[0] * v.shape[1],) + v.shape[2:]) for k, v in flat.items()}
-  out: list = [None] * len(requests)
-  for r in np.flatnonzero(flat["index"] >= 0):
-    j, n = int(flat["index"][r]), int(flat["n"][r])
-    if out[j] is not None:
-      raise ValueError(f"gathered completions: request {j} came back twice")
-    q = float(flat["quality_logit"][r])
-    out[j] = make(request_id=requests[j].request_id,
-                  prompt_ids=np.asarray(requests[j].prompt_ids, np.int32),
-                  token_ids=flat["tokens"][r, :n].copy(), logprobs=flat["logprobs"][r, :n].copy(),
-                  finish_reason=_FINISH[int(flat["finish"][r])],
-                  topk_ids=flat["topk_ids"][r, :n].copy() if topk else None,
-                  topk_logprobs=flat["topk_logprobs"][r, :n].copy() if topk else None,
-                  preemptions=int(flat["preemptions"][r]), pruned=bool(flat["pruned"][r]),
-                  quality_logit=None if np.isnan(q) else q,
-                  detect_hidden=(flat["hidden"][r].copy() if flat["has_hidden"][r] else None),
-                  detect_index=int(flat["detect_index"][r]))
-  missing = [j for j, c in enumerate(out) if c is None]
-  if missing:
-    raise ValueError(f"gathered completions: no process returned requests {missing[:8]}")
-  return out
-
-
 def gather_completions(local: Sequence[Any], index: Sequence[int], requests: Sequence[Any], *,
                        topk: int, hidden: int = 0, make: Callable[..., Any],
                        allgather: Callable[[Any], Any] = allgather_host) -> list:
   """Every process's completions (`local`, at global request positions `index`) gathered so
-  each process holds all of them, in request order: two collectives, the sizes first, then
-  the packs padded to the largest."""
-  sizes = allgather(np.asarray([len(local), max([len(c.token_ids) for c in local] or [0])],
-                               np.int32))  # [P, 2]
-  rows, length = int(np.max(sizes[:, 0])), max(int(np.max(sizes[:, 1])), 1)
-  packed = pack_completions(local, index, rows=max(rows, 1), length=length, topk=topk,
-                            hidden=hidden)
-  return unpack_completions(allgather(packed), requests, topk=topk, make=make)
+  each process holds all of them, in request order (`completion_wire.gather_completions`
+  over the host collective: every process calls it at the same point)."""
+  return completion_wire.gather_completions(local, index, requests, topk=topk, hidden=hidden,
+                                            make=make, allgather=allgather)
 
 
 def merge_stats(stats: Mapping[str, float], keys: Sequence[str],
@@ -389,103 +315,3 @@ def agree_stop(signame: str | None,
   nums = allgather(np.asarray([num], np.int32))[:, 0]
   hit = [int(x) for x in nums if x]
   return signal.Signals(hit[0]).name if hit else None
-
-
-# ----------------------------------------------------------------------------- watchdog
-
-
-class Watchdog:
-  """Heartbeats of every process through the coordination service's key-value store.
-
-  A daemon thread writes this process's counter every `interval_s`; a peer whose counter
-  has not moved for `timeout_s`, or that wrote a failure, ends this process (exit status 1,
-  one line on stderr naming the peer) — also while the main thread is blocked in a
-  collective that will never complete. A peer that wrote "done" is no longer watched. Losing
-  the coordinator (process 0) makes the store unreachable: that ends the process as well.
-  """
-
-  def __init__(self, *, timeout_s: float, interval_s: float = 1.0, client=None,
-               index: int | None = None, count: int | None = None,
-               on_lost: Callable[[str], None] | None = None, clock=time.monotonic):
-    if client is None:
-      from jax._src import distributed as _dist
-      client = _dist.global_state.client
-      if client is None or not hasattr(client, "key_value_try_get"):
-        raise AttributeError("jax's distributed client has no key-value store here")
-    self.client, self.timeout_s, self.interval_s, self.clock = client, timeout_s, interval_s, clock
-    self.index = jax.process_index() if index is None else index
-    self.count = jax.process_count() if count is None else count
-    self.on_lost = on_lost or (lambda msg: _die(msg, self.index))
-    self._beat = 0
-    self._stopped: str | None = None  # final state written: no more beats
-    self._watching = True
-    self._seen = {j: (None, clock()) for j in range(self.count) if j != self.index}
-    self._thread = threading.Thread(target=self._run, name="sparrow-watchdog", daemon=True)
-
-  def start(self) -> None:
-    self.beat()
-    self._thread.start()  # (a daemon: it keeps watching while the interpreter exits)
-
-  def beat(self) -> None:
-    if self._stopped is None:
-      self._beat += 1
-      self.client.key_value_set(f"{_KV_PREFIX}{self.index}", str(self._beat),
-                                allow_overwrite=True)
-
-  def stop(self, state: str, *, watch: bool = False) -> None:
-    """Write a final state ("done" or "failed: ...") and stop beating (and watching, unless
-    `watch`)."""
-    self._watching = watch
-    if self._stopped is None:
-      self._stopped = state
-      try:
-        self.client.key_value_set(f"{_KV_PREFIX}{self.index}", state, allow_overwrite=True)
-      except Exception:  # the coordinator may be gone already: nothing left to tell
-        pass
-
-  def check(self) -> str | None:
-    """One look at the peers: a message naming a lost or failed peer, or None."""
-    now = self.clock()
-    for j, (last, since) in list(self._seen.items()):
-      try:
-        val = self.client.key_value_try_get(f"{_KV_PREFIX}{j}")
-      except Exception as e:  # NOT_FOUND before its first beat; anything else: store gone
-        if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
-          val = None
-        else:
-          return (f"lost the coordinator (process 0): the coordination service stopped "
-                  f"answering ({str(e).splitlines()[0][:200]})")
-      if val == "done":
-        del self._seen[j]
-        continue
-      if val is not None and val.startswith("failed"):
-        return f"process {j} of {self.count} {val}"
-      if val != last:
-        self._seen[j] = (val, now)
-      elif now - since > self.timeout_s:
-        return (f"lost process {j} of {self.count}: no heartbeat for {now - since:.0f} s "
-                f"(--heartbeat-timeout {self.timeout_s:g})")
-    return None
-
-  def _run(self) -> None:
-    while self._watching:
-      time.sleep(self.interval_s)
-      if not self._watching:
-        return
-      try:
-        self.beat()
-      except Exception as e:
-        msg = (f"lost the coordinator (process 0): the coordination service stopped "
-               f"answering ({str(e).splitlines()[0][:200]})")
-      else:
-        msg = self.check()
-      if msg is not None and self._watching:
-        self.on_lost(msg)
-        return
-
-
-def _die(message: str, index: int) -> None:
-  # (no jax call here: the main thread may be tearing the backend down)
-  print(f"error: {message}; this process (index {index}) stops. Resume the run with "
-        "--resume once every host is back.", file=sys.stderr, flush=True)
-  os._exit(1)

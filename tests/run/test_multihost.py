@@ -24,7 +24,9 @@ import pytest
 
 from sparrow_jax.engine.config import Completion, Request
 from sparrow_jax.engine.sampling import SamplingParams
+from sparrow_jax.run import completion_wire as wire
 from sparrow_jax.run import distributed as dist
+from sparrow_jax.run import watchdog
 from sparrow_jax.run.metrics import MetricsLogger, read_jsonl
 from tests.run import multihost_helpers as H
 
@@ -135,10 +137,10 @@ def test_completion_gather_round_trip():
   comps = _completions(reqs, rng, topk=2)
   parts = [dist.local_request_index(reqs, index=i, count=2) for i in range(2)]
   rows = max(len(p) for p in parts)
-  packs = [dist.pack_completions([comps[j] for j in p], p, rows=rows, length=6, topk=2,
+  packs = [wire.pack_completions([comps[j] for j in p], p, rows=rows, length=6, topk=2,
                                  hidden=3) for p in parts]
   stacked = {k: np.stack([p[k] for p in packs]) for k in packs[0]}  # what allgather returns
-  back = dist.unpack_completions(stacked, reqs, topk=2, make=Completion)
+  back = wire.unpack_completions(stacked, reqs, topk=2, make=Completion)
   for a, b in zip(comps, back):
     assert a.request_id == b.request_id and a.finish_reason == b.finish_reason
     np.testing.assert_array_equal(a.prompt_ids, b.prompt_ids)
@@ -147,10 +149,10 @@ def test_completion_gather_round_trip():
     assert (a.preemptions, a.pruned, a.quality_logit, a.detect_index) == (
         b.preemptions, b.pruned, b.quality_logit, b.detect_index)
   with pytest.raises(ValueError, match=r"no process returned requests \[6, 7, 8, 9\]"):
-    dist.unpack_completions({k: v[:1] for k, v in stacked.items()}, reqs, topk=2,
+    wire.unpack_completions({k: v[:1] for k, v in stacked.items()}, reqs, topk=2,
                             make=Completion)  # (process 1's pack lost)
   with pytest.raises(ValueError, match="came back twice"):
-    dist.unpack_completions({k: np.concatenate([v, v]) for k, v in stacked.items()}, reqs,
+    wire.unpack_completions({k: np.concatenate([v, v]) for k, v in stacked.items()}, reqs,
                             topk=2, make=Completion)
   # One process: the gather is the identity (padding to the longest, no top-k kept).
   plain = _completions(reqs[:3], rng, topk=0)
@@ -191,8 +193,8 @@ class _FakeStore:
 def test_watchdog_names_the_lost_or_failed_peer():
   now = [0.0]
   store = _FakeStore()
-  mk = lambda i: dist.Watchdog(timeout_s=5, client=store, index=i, count=3,
-                               clock=lambda: now[0])
+  mk = lambda i: watchdog.Watchdog(timeout_s=5, client=store, index=i, count=3,
+                                   clock=lambda: now[0])
   w0, w1, w2 = mk(0), mk(1), mk(2)
   for w in (w0, w1, w2):
     w.beat()
@@ -213,7 +215,7 @@ def test_watchdog_names_the_lost_or_failed_peer():
     def key_value_try_get(self, key):
       raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
 
-  lone = dist.Watchdog(timeout_s=5, client=Gone(), index=1, count=2)
+  lone = watchdog.Watchdog(timeout_s=5, client=Gone(), index=1, count=2)
   assert lone.check().startswith("lost the coordinator (process 0)")
 
 
