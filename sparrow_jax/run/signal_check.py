@@ -27,8 +27,8 @@ class ZeroSignalCheck:
   """Warns once when the first `first_k` steps carry no learning signal.
 
   Call `observe` once per step with that step's rewards `[B]` (grouped: `group_size`
-  consecutive rollouts per prompt), the response texts and the expected answer of each
-  rollout. It returns the warning line at step `first_k` when every rollout so far scored 0
+  consecutive rollouts per prompt, or by `group_ids` when groups differ in size, e.g. after
+  ARRoL's pruning), the response texts and the expected answer of each rollout. It returns the warning line at step `first_k` when every rollout so far scored 0
   or every group so far had zero variance, else None (and None for every later step).
   `zero_variance_groups` / `groups` count over every observed step.
   """
@@ -47,25 +47,36 @@ class ZeroSignalCheck:
     self._example: tuple[str, str] | None = None
 
   def observe(self, step: int, rewards, group_size: int, response_texts: Sequence[str],
-              expected_answers: Sequence[str]) -> str | None:
+              expected_answers: Sequence[str], group_ids: Sequence | None = None
+              ) -> str | None:
     r = np.asarray(rewards, np.float64).reshape(-1)
     if len(response_texts) != r.size or len(expected_answers) != r.size:
       raise ValueError(f"ZeroSignalCheck.observe: {r.size} rewards, {len(response_texts)} "
                        f"responses, {len(expected_answers)} answers; expected one each")
-    if group_size < 1 or r.size % group_size:
+    if group_ids is not None:
+      if len(group_ids) != r.size:
+        raise ValueError(f"ZeroSignalCheck.observe: {len(group_ids)} group ids for {r.size} "
+                         "rewards; expected one each")
+      by_id: dict = {}
+      for g, x in zip(group_ids, r):
+        by_id.setdefault(g, []).append(x)
+      spans = [(min(v), max(v)) for v in by_id.values()]
+    elif group_size < 1 or r.size % group_size:
       raise ValueError(f"ZeroSignalCheck.observe: group_size={group_size} does not divide "
                        f"the {r.size} rewards")
+    else:
+      groups = r.reshape(-1, group_size)
+      spans = list(zip(groups.min(axis=1), groups.max(axis=1)))
     if not r.size:
       return None
-    groups = r.reshape(-1, group_size)
-    flat = int(np.sum(groups.max(axis=1) == groups.min(axis=1)))
+    flat = sum(lo == hi for lo, hi in spans)
     self.zero_variance_groups += flat
-    self.groups += len(groups)
+    self.groups += len(spans)
     self._steps += 1
     if self.warned or self._steps > self.first_k:
       return None
     self._all_zero &= bool(np.all(r == 0))
-    self._all_flat &= flat == len(groups)
+    self._all_flat &= flat == len(spans)
     if self._example is None or not self._example[0].strip():  # a non-empty one if any
       i = next((j for j, t in enumerate(response_texts) if str(t).strip()), 0)
       self._example = (str(response_texts[i]), str(expected_answers[i]))

@@ -41,6 +41,16 @@ def test_zero_variance_without_zeros_and_signal_cases():
   assert "'...xxx" in msg and "so \\\\boxed{7}'" in msg and len(msg) < 900
 
 
+def test_groups_by_id():
+  """Groups of different sizes (ARRoL prunes inside groups): by the rows' prompt ids."""
+  check = ZeroSignalCheck("r", first_k=1)
+  assert check.observe(1, [0, 1, 1, 0, 0], 0, ["a"] * 5, ["b"] * 5,
+                       group_ids=[0, 0, 1, 2, 2]) is None
+  assert check.summary() == {"zero_variance_groups": 2, "groups": 3}
+  with pytest.raises(ValueError, match="2 group ids for 3 rewards"):
+    check.observe(2, [0, 0, 0], 0, ["a"] * 3, ["b"] * 3, group_ids=[0, 1])
+
+
 def test_bad_arguments():
   with pytest.raises(ValueError, match="first_k=0"):
     ZeroSignalCheck("r", first_k=0)
