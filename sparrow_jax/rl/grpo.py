@@ -14,7 +14,9 @@ Paper symbols and the names that carry them:
                   (`kl_coef`, `kl_penalty`). The release uses low_var_kl with β = 0.
   C               TIS cap: token weight w_t = min(exp(old_logp - rollout_logp), C), where the
                   rollout came from the sparse actor and old_logp is the dense recompute
-                  (`rollout_correction`, `tis_cap`).
+                  (`rollout_correction`, `tis_cap`). The whole family (sequence and
+                  geometric IS, IcePop, k1-k3 rejection, the veto, bypass mode) is
+                  `corrections.py`, selected by GRPOLossConfig's rollout_* fields.
   entropy coeff   loss -= entropy_coeff * H (`entropy_coeff`; 0 in the release).
 
 Aggregation of a per-token loss l[b, t] with mask m[b, t] (`aggregate_loss`):
