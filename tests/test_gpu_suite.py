@@ -213,7 +213,7 @@ def test_context_filler_writes_every_page_and_its_landmarks_in_pieces(suite, kin
     assert bool(jnp.all(jnp.any(x != 0, axis=(0, 2, 3))))
   assert not bool(jnp.array_equal(k2, v2))
   # the landmarks are those of the keys now in the pool (pieces written where they belong)
-  want = suite.selection.compute_landmarks(k2, jnp.full((2, 8), 4), kind) if n_lm else ()
+  want = suite.landmarks.compute_landmarks(k2, jnp.full((2, 8), 4), kind) if n_lm else ()
   want = want if isinstance(want, tuple) else (want,)
   assert len(lm2) == n_lm
   for got, ref in zip(lm2, want):

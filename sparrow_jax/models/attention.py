@@ -14,7 +14,8 @@ from typing import Union
 import jax.numpy as jnp
 
 from sparrow_jax import cpu_kernels
-from sparrow_jax.pallas_kernels import dispatch, selection, teacher_forced, train_attention
+from sparrow_jax.pallas_kernels import (dispatch, landmarks, selection, teacher_forced,
+                                        train_attention)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,8 +77,8 @@ class BlockSparse:
                        "'xla'")
 
   @property
-  def kind(self) -> selection.LandmarkKind:
-    return selection.LandmarkKind(self.landmark)
+  def kind(self) -> landmarks.LandmarkKind:
+    return landmarks.LandmarkKind(self.landmark)
 
 
 AttentionSpec = Union[Dense, BlockSparse]
@@ -143,7 +144,7 @@ def decode_attention(spec: AttentionSpec, layer: int, q, cache, lengths, *, budg
   backend = dispatch.resolve_backend(spec.backend)
   config = dispatch.default_config(backend, spec.page_size)  # None for XLA
   slot_multiple = 1 if config is None else config.slot_multiple()
-  lm = lms[0] if spec.kind == selection.LandmarkKind.MEAN else lms
+  lm = lms[0] if spec.kind == landmarks.LandmarkKind.MEAN else lms
   page_idx, valid = selection.select_decode_pages(
       q, lm, cache.page_table, lengths, budgets, kind=spec.kind, max_budget=spec.max_budget,
       page_size=spec.page_size, reserved_bos=spec.reserved_bos,

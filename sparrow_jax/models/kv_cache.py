@@ -39,7 +39,7 @@ import numpy as np
 from flax import struct
 
 from sparrow_jax import cpu_kernels
-from sparrow_jax.pallas_kernels import selection
+from sparrow_jax.pallas_kernels import landmarks
 
 
 NULL_PAGE = 0
@@ -102,7 +102,7 @@ class PagedKVCache:
     return self.k[i], self.v[i], self.landmarks[i]
 
   def _kind(self):
-    return selection.LandmarkKind(self.landmark_kind)
+    return landmarks.LandmarkKind(self.landmark_kind)
 
   def _with_layer(self, i, k=None, v=None, lms=None) -> "PagedKVCache":
     rep = lambda t, x: t if x is None else t[:i] + (x,) + t[i + 1:]
@@ -143,7 +143,7 @@ class PagedKVCache:
       # rounded once to the landmark dtype.
       stored = kp.astype(self.k[layer].dtype)
       nv = jnp.broadcast_to(num_valid[None], stored.shape[:3])  # [K, n, npg]
-      lm = selection.compute_landmarks(stored, nv, self._kind())
+      lm = landmarks.compute_landmarks(stored, nv, self._kind())
       lm = lm if isinstance(lm, tuple) else (lm,)
       lms = tuple(_scatter_set(old, (slice(None), dest), new) for old, new in zip(lms, lm))
     return self._with_layer(layer, new_k, new_v, lms)
@@ -177,7 +177,7 @@ class PagedKVCache:
       filled = active & (off == s - 1)  # [B]
       keys = new_k[:, phys]  # [K, B, S, D]: one page per slot
       nv = jnp.full(keys.shape[:2], s, jnp.int32)  # [K, B]
-      lm = selection.compute_landmarks(keys, nv, self._kind())
+      lm = landmarks.compute_landmarks(keys, nv, self._kind())
       lm = lm if isinstance(lm, tuple) else (lm,)
       lm_dest = jnp.where(filled, phys, oob)
       lms = tuple(old.at[:, lm_dest].set(new.astype(old.dtype), mode="drop")

@@ -33,6 +33,7 @@ import enum
 import jax
 
 from sparrow_jax import cpu_kernels
+from sparrow_jax.args import as_member
 from sparrow_jax.pallas_kernels import split_k
 from sparrow_jax.pallas_kernels.blocked_decode import dense_decode_blocked
 from sparrow_jax.pallas_kernels.paged_decode import PagedDecodeConfig, paged_decode
@@ -96,13 +97,7 @@ def page_scorer(backend: Backend) -> str:
 
 def parse_backend(backend) -> Backend:
   """`backend` (a Backend or its string value) as a Backend; ValueError naming the choices."""
-  if isinstance(backend, Backend):
-    return backend
-  try:
-    return Backend(backend)
-  except ValueError:
-    raise ValueError(f"backend={backend!r}: expected a Backend or one of "
-                     f"{[b.value for b in Backend]}") from None
+  return as_member(Backend, backend, "backend")
 
 
 def resolve_backend(backend=Backend.AUTO) -> Backend:
@@ -142,6 +137,28 @@ def resolve_backend(backend=Backend.AUTO) -> Backend:
       return backend
 
 
+def _decode(backend, sparse: bool, args: tuple, sm_scale, config):
+  """Runs decode attention on the resolved `backend`: the one `match` from backend to
+  implementation for both entry points. `args` are the positional arrays (with the selection
+  `page_idx`, `valid` when `sparse`); the Pallas implementations also take `config` and
+  `interpret`."""
+  backend = resolve_backend(backend)
+  kernel = dict(config=config, interpret=backend in (Backend.PALLAS_INTERPRET,
+                                                     Backend.PALLAS_TPU_INTERPRET))
+  match backend:
+    case Backend.XLA:
+      fn, kw = (sparse_decode_reference if sparse else dense_decode_blocked), {}
+    case Backend.PALLAS | Backend.PALLAS_INTERPRET:
+      fn, kw = (sparse_decode if sparse else paged_decode), kernel
+    case Backend.PALLAS_TPU | Backend.PALLAS_TPU_INTERPRET:
+      fn, kw = (sparse_decode_tpu if sparse else dense_decode_tpu), kernel
+    case Backend.CPU:
+      fn, kw = cpu_kernels.decode_attention, {}
+    case other:
+      raise AssertionError(f"unresolved backend {other}")
+  return fn(*args, sm_scale=sm_scale, **kw)
+
+
 def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx, valid, *,
                             backend=Backend.AUTO, sm_scale=None,
                             config: SparseDecodeConfig | None = None):
@@ -161,27 +178,8 @@ def sparse_decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx, 
   Returns:
     [B, H, D] in q.dtype.
   """
-  match resolve_backend(backend):
-    case Backend.XLA:
-      return sparse_decode_reference(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
-                                     sm_scale=sm_scale)
-    case Backend.PALLAS:
-      return sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
-                           sm_scale=sm_scale, config=config, interpret=False)
-    case Backend.PALLAS_INTERPRET:
-      return sparse_decode(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
-                           sm_scale=sm_scale, config=config, interpret=True)
-    case Backend.PALLAS_TPU:
-      return sparse_decode_tpu(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
-                               sm_scale=sm_scale, config=config, interpret=False)
-    case Backend.PALLAS_TPU_INTERPRET:
-      return sparse_decode_tpu(q, k_pages, v_pages, page_table, lengths, page_idx, valid,
-                               sm_scale=sm_scale, config=config, interpret=True)
-    case Backend.CPU:
-      return cpu_kernels.decode_attention(q, k_pages, v_pages, page_table, lengths, page_idx,
-                                          valid, sm_scale=sm_scale)
-    case other:
-      raise AssertionError(f"unresolved backend {other}")
+  return _decode(backend, True, (q, k_pages, v_pages, page_table, lengths, page_idx, valid),
+                 sm_scale, config)
 
 
 def dense_decode_attention(q, k_pages, v_pages, page_table, lengths, *, backend=Backend.AUTO,
@@ -202,23 +200,4 @@ def dense_decode_attention(q, k_pages, v_pages, page_table, lengths, *, backend=
   Returns:
     [B, H, D] in q.dtype.
   """
-  match resolve_backend(backend):
-    case Backend.XLA:
-      return dense_decode_blocked(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale)
-    case Backend.PALLAS:
-      return paged_decode(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
-                          config=config, interpret=False)
-    case Backend.PALLAS_INTERPRET:
-      return paged_decode(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
-                          config=config, interpret=True)
-    case Backend.PALLAS_TPU:
-      return dense_decode_tpu(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
-                              config=config, interpret=False)
-    case Backend.PALLAS_TPU_INTERPRET:
-      return dense_decode_tpu(q, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
-                              config=config, interpret=True)
-    case Backend.CPU:
-      return cpu_kernels.decode_attention(q, k_pages, v_pages, page_table, lengths,
-                                          sm_scale=sm_scale)
-    case other:
-      raise AssertionError(f"unresolved backend {other}")
+  return _decode(backend, False, (q, k_pages, v_pages, page_table, lengths), sm_scale, config)

@@ -12,7 +12,7 @@ landmarks (0.8 TB/s), 36% of the sparse decode step and more than the sparse att
 table inside the kernel: one program per (sequence b, kv head k, block of `pages_per_block`
 logical pages), whole landmark rows per page, nothing materialised.
 
-The sum over the head dim runs in `selection.tree_sum`'s order (pairwise halving: element i
+The sum over the head dim runs in `landmarks.tree_sum`'s order (pairwise halving: element i
 plus element i + D/2, then again on the half), written as reshapes to [rows, 2, D/2] and sums
 over the size-2 axis (one add each), so the kernel computes the same float32 operations as the
 XLA path; whether a backend contracts a product and an add into one FMA is its own choice, so
@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from sparrow_jax.pallas_kernels import selection, split_k
+from sparrow_jax.pallas_kernels import split_k
+from sparrow_jax.pallas_kernels.landmarks import (LandmarkKind, as_landmark_kind,
+                                                 group_mean_queries, landmark_arrays, materialize)
 
 DEFAULT_PAGES_PER_BLOCK = 64  # mean: one [64, D] float32 tile of landmark rows
 QUEST_PAGES_PER_BLOCK = 32  # quest: two tiles (min, max); 64 rows took 238-255 registers
@@ -43,7 +45,7 @@ DEFAULT_NUM_WARPS = 4
 
 
 def _tree_sum_rows(x):
-  """[R, D] -> [R]: `selection.tree_sum` over the last axis (D a power of two)."""
+  """[R, D] -> [R]: `landmarks.tree_sum` over the last axis (D a power of two)."""
   rows, width = x.shape
   while width > 1:
     width //= 2
@@ -107,7 +109,7 @@ def check_page_scores_args(q, landmarks, page_table, num_pages, pages_per_block)
 def page_scores(q, landmarks, page_table, num_pages, *, kind="mean",
                 pages_per_block: int | None = None,
                 num_warps: int = DEFAULT_NUM_WARPS, interpret: bool = False):
-  """Page scores of one decode step with the Pallas kernel (`selection.score_pages` of the
+  """Page scores of one decode step with the Pallas kernel (`landmarks.score_pages` of the
   gathered landmarks, to float32 rounding).
 
   Args:
@@ -116,7 +118,7 @@ def page_scores(q, landmarks, page_table, num_pages, *, kind="mean",
       bfloat16).
     page_table: [B, M] int32 logical -> physical page ids.
     num_pages: [B] int32 pages that exist per sequence (ceil(length / S)).
-    kind: "mean" or "quest" (a `selection.LandmarkKind`).
+    kind: "mean" or "quest" (a `landmarks.LandmarkKind`).
     pages_per_block: pages per program (a power of two; default 64 for mean, 32 for quest
       landmarks); num_warps: Triton launch.
     interpret: run in the Pallas interpreter (CPU).
@@ -126,9 +128,9 @@ def page_scores(q, landmarks, page_table, num_pages, *, kind="mean",
   """
   from jax.experimental.pallas import triton as plgpu
 
-  kind = selection.as_landmark_kind(kind)
-  quest = kind is selection.LandmarkKind.QUEST
-  lms = selection.landmark_arrays(landmarks, kind, "[K, P, D]")
+  kind = as_landmark_kind(kind)
+  quest = kind is LandmarkKind.QUEST
+  lms = landmark_arrays(landmarks, kind, "[K, P, D]")
   if pages_per_block is None:
     pages_per_block = QUEST_PAGES_PER_BLOCK if quest else DEFAULT_PAGES_PER_BLOCK
   num_pages = jnp.asarray(num_pages, jnp.int32)
@@ -139,9 +141,9 @@ def page_scores(q, landmarks, page_table, num_pages, *, kind="mean",
   m = page_table.shape[1]
   blocks = -(-m // pages_per_block)
   if quest:  # the group's queries, float32, materialised as the XLA path does
-    qk = selection.materialize(q.astype(jnp.float32)).reshape(b, kvh, group * d)
+    qk = materialize(q.astype(jnp.float32)).reshape(b, kvh, group * d)
   else:
-    qk = selection.group_mean_queries(q, kvh)  # [B, K, D]
+    qk = group_mean_queries(q, kvh)  # [B, K, D]
   kernel = functools.partial(_page_scores_kernel, kind=kind.value, group=group,
                              pages_per_block=pages_per_block)
   lm_spec = pl.BlockSpec((None, *lms[0].shape[1:]), lambda i, j, r: (j, 0, 0))

@@ -3,7 +3,7 @@
 Query t (positions 0..T-1, the sequence starting at position 0) attends exactly as decode step
 t would with a cache holding tokens 0..t: n = t + 1 tokens in ceil(n / S) pages, landmarks as
 the cache holds them (full pages: over their S keys; the newest page: over the keys written so
-far), the same `selection.score_pages` and `selection.select_pages` with the budget of that
+far), the same `landmarks.score_pages` and `selection.select_pages` with the budget of that
 step, then attention over the selected pages restricted to keys <= t. The result at every
 position equals `reference.sparse_decode_reference` run step by step on a cache filled with
 the same keys and values. With `prompt_lengths`, prompt positions attend densely, as the
@@ -34,8 +34,9 @@ from jax import lax
 
 from sparrow_jax.pallas_kernels import flash_xla
 from sparrow_jax.pallas_kernels.reference import MASK_VALUE
-from sparrow_jax.pallas_kernels.selection import (as_landmark_kind, compute_landmarks,
-                                                   round_landmarks, score_pages, select_pages)
+from sparrow_jax.pallas_kernels.landmarks import (as_landmark_kind, compute_landmarks,
+                                                   round_landmarks, score_pages)
+from sparrow_jax.pallas_kernels.selection import select_pages
 
 
 def check_qkv(q, k, v, lengths):

@@ -28,6 +28,7 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from sparrow_jax.args import as_member
 from sparrow_jax.pallas_kernels import teacher_forced
 
 _CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -43,13 +44,7 @@ class TrainAttention(enum.Enum):
 
 def as_train_attention(impl) -> TrainAttention:
   """`TrainAttention` from a member or its string value; ValueError naming the choices."""
-  if isinstance(impl, TrainAttention):
-    return impl
-  try:
-    return TrainAttention(impl)
-  except ValueError:
-    raise ValueError(f"train attention={impl!r}: expected a TrainAttention or one of "
-                     f"{[m.value for m in TrainAttention]}") from None
+  return as_member(TrainAttention, impl, "train attention")
 
 
 def _is_gpu(platform: str) -> bool:

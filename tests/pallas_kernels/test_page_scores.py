@@ -1,5 +1,5 @@
 """The page-score kernel (pallas_kernels/page_scores.py) in the Pallas interpreter against the
-XLA scoring (`selection.score_pages` of the gathered landmarks), its selection and wiring
+XLA scoring (`landmarks.score_pages` of the gathered landmarks), its selection and wiring
 through the decode attention, and its build for an H200 (Triton IR compiled for sm_90)."""
 
 import functools
@@ -11,7 +11,7 @@ import pytest
 
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.kv_cache import PagedKVCache
-from sparrow_jax.pallas_kernels import gpu_compile, page_scores, selection
+from sparrow_jax.pallas_kernels import gpu_compile, landmarks, page_scores, selection
 from tests.pallas_kernels.paged_cases import triton_calls_or_skip
 
 
@@ -37,7 +37,7 @@ def test_kernel_scores_equal_the_xla_scores_of_existing_pages(kind, group, lm_dt
   # count past the table's width (clamped to it)
   for num_pages in ([13, 5, 0], [40, 1, 9]):
     num_pages = jnp.asarray(num_pages, jnp.int32)
-    want = selection.score_pages(q, selection.gather_landmarks(lm, table), kind)
+    want = landmarks.score_pages(q, landmarks.gather_landmarks(lm, table), kind)
     got = page_scores.page_scores(q, lm, table, num_pages, kind=kind,
                                   pages_per_block=pages_per_block, interpret=True)
     assert got.shape == want.shape == (3, 2, 13) and got.dtype == jnp.float32

@@ -16,6 +16,7 @@ import pytest
 from sparrow_jax.pallas_kernels import dispatch
 from sparrow_jax.pallas_kernels import paged_decode as pd
 from sparrow_jax.pallas_kernels import reference
+from sparrow_jax.pallas_kernels import landmarks
 from sparrow_jax.pallas_kernels import selection
 from sparrow_jax.pallas_kernels import sparse_decode as sd
 from tests.pallas_kernels.paged_cases import dot_types, make_cache, triton_kernels
@@ -53,7 +54,7 @@ def numpy_sparse_decode(q, k_pages, v_pages, table, lengths, page_idx, valid):
 def select(q, k_pages, table, lengths, budget, max_budget, kind="mean"):
   kvh, p = k_pages.shape[:2]
   nv = jnp.full((kvh, p), PAGE, jnp.int32)  # every pool page scored as written in full
-  lm = selection.compute_landmarks(k_pages, nv, kind)
+  lm = landmarks.compute_landmarks(k_pages, nv, kind)
   return selection.select_decode_pages(q, lm, table, lengths, jnp.asarray(budget, jnp.int32),
                                        kind=kind, max_budget=max_budget, page_size=PAGE)
 
@@ -201,7 +202,7 @@ def test_budget_change_does_not_recompile(backend):
   case = make_cache(rng, batch=4, heads=4, kv_heads=2, head_dim=64, lengths=LENGTHS,
                     max_pages=16, dtype=jnp.float32)
   q, k_pages, v_pages, table, lengths = case
-  lm = selection.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], PAGE), "mean")
+  lm = landmarks.compute_landmarks(k_pages, jnp.full(k_pages.shape[:2], PAGE), "mean")
 
   @jax.jit
   def step(q, k_pages, v_pages, table, lengths, lm, budget):

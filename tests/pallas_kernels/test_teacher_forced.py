@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from sparrow_jax.pallas_kernels import reference
+from sparrow_jax.pallas_kernels import landmarks
 from sparrow_jax.pallas_kernels import selection
 from sparrow_jax.pallas_kernels import teacher_forced as tf
 
@@ -49,7 +50,7 @@ def decode_step_by_step(q, k, v, budget, *, kind, max_budget, page_size, reserve
     k_now = jnp.where(written, k_pool, 0.0)
     v_now = jnp.where(written, v_pool, 0.0)
     num_valid = jnp.broadcast_to(jnp.clip(step_t + 1 - pos[:, 0], 0, s), (kvh, p))
-    lm = selection.compute_landmarks(k_now, num_valid, kind)  # [K, P, D]
+    lm = landmarks.compute_landmarks(k_now, num_valid, kind)  # [K, P, D]
     lengths = jnp.full((b,), step_t + 1, jnp.int32)
     page_idx, valid = selection.select_decode_pages(
         q_t, lm, table, lengths, budget_t, kind=kind, max_budget=max_budget, page_size=s,

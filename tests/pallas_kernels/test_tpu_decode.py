@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from sparrow_jax.pallas_kernels import dispatch, reference, selection
+from sparrow_jax.pallas_kernels import dispatch, landmarks, reference, selection
 from sparrow_jax.pallas_kernels import tpu_decode as td
 from tests.pallas_kernels.paged_cases import make_cache
 
@@ -35,7 +35,7 @@ def _rel(out, want):
 def _select(case, kind):
   q, k_pages, _, table, lengths = case
   nv = jnp.full(k_pages.shape[:2], PAGE, jnp.int32)
-  lm = selection.compute_landmarks(k_pages, nv, kind)
+  lm = landmarks.compute_landmarks(k_pages, nv, kind)
   return selection.select_decode_pages(q, lm, table, lengths, jnp.asarray(BUDGETS, jnp.int32),
                                        kind=kind, max_budget=MAX_BUDGET, page_size=PAGE,
                                        slot_multiple=CONFIG.slot_multiple())
