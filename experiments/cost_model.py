@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparrow_jax.models.config import PRESETS as MODEL_PRESETS, get_config
 from sparrow_jax.schedule import cost_model as cm
-from sparrow_jax.schedule.schedule import describe, parse_schedule
+from sparrow_jax.schedule.presets import parse_schedule
+from sparrow_jax.schedule.schedule import describe
 
 from experiments._cli import int_list, positive
 

@@ -273,7 +273,8 @@ class TeacherForced:
     """alpha_t of every generated token under a schedule (or an int: one constant budget)."""
     from tqdm.auto import tqdm
 
-    from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
+    from sparrow_jax.schedule.presets import as_schedule
+    from sparrow_jax.schedule.schedule import teacher_forced_budgets
 
     table = as_schedule(table, page_size=self.spec.page_size)
     if max(table.budgets) > self.spec.max_budget:

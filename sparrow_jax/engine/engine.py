@@ -77,7 +77,8 @@ from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.decoder import Decoder, pack_decode_weights
 from sparrow_jax.models.kv_cache import PagedKVCache, kv_bytes_per_page
 from sparrow_jax.models.quality_head import init_quality_head
-from sparrow_jax.schedule.schedule import SparsitySchedule, as_schedule, max_budget
+from sparrow_jax.schedule.presets import as_schedule
+from sparrow_jax.schedule.schedule import SparsitySchedule, max_budget
 
 __all__ = ["AXIS", "Completion", "EngineConfig", "GenerationEngine", "Request",
            "resolve_pool_pages"]

@@ -31,7 +31,8 @@ from flax import nnx
 
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.rl.logprobs import time_chunk
-from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
+from sparrow_jax.schedule.presets import as_schedule
+from sparrow_jax.schedule.schedule import teacher_forced_budgets
 from sparrow_jax.schedule import mismatch
 from sparrow_jax.schedule.schedule import attention_spec, SparsitySchedule, max_budget
 

@@ -8,10 +8,17 @@ size 16, 1 bos + 2 recent reserved pages on top of the value (pages attended = v
 dense layers 0 and 1 and mean ("centroid") landmarks. The name ends in the tail target tau
 the schedule was calibrated for (5th-percentile acceptance rate, paper §3.2), e.g.
 `qwen3-1.7b-0.86` holds p5 alpha at 0.86 for Qwen3-1.7B.
+
+Schedules by name: `parse_schedule` reads a command-line spec (a preset name, `constant:K`,
+`dense` or a schedule .json file) and `as_schedule` takes a schedule or a constant int
+budget. They live here, above `schedule.py`, because they build the schedules of this module.
 """
 
 from __future__ import annotations
 
+import os
+
+from sparrow_jax.args import is_int
 from sparrow_jax.schedule.schedule import SparsitySchedule
 
 PUBLISHED_BIN_SIZE = 2000  # tokens per bin (125 pages of 16)
@@ -101,3 +108,39 @@ def dense(**overrides) -> SparsitySchedule:
             is_dense=True)
   kw.update(overrides)
   return SparsitySchedule(**kw)
+
+
+def as_schedule(spec, *, page_size: int = 16) -> SparsitySchedule:
+  """A `SparsitySchedule` from a schedule or a constant int budget (one unbounded bin)."""
+  if isinstance(spec, SparsitySchedule):
+    return spec
+  if is_int(spec):
+    return constant(int(spec), page_size=page_size, bin_size=1 << 30)
+  raise ValueError(f"schedule {spec!r}: expected a SparsitySchedule or an int page budget")
+
+
+def parse_schedule(spec: str) -> SparsitySchedule:
+  """Schedule from a CLI spec: a preset name, a JSON file path, `constant:K`, or `dense`."""
+  if not isinstance(spec, str) or not spec.strip():
+    raise ValueError(f"schedule spec {spec!r}: expected a non-empty string")
+  s = spec.strip()
+  if s == "dense":
+    return dense()
+  if s.startswith("constant:"):
+    k = s.split(":", 1)[1]
+    try:
+      kv = int(k)
+    except ValueError:
+      kv = -1
+    if kv <= 0:
+      raise ValueError(f"schedule spec {spec!r}: constant:K needs a positive int K (pages), "
+                       f"got {k!r}")
+    return constant(kv)
+  if s in PRESETS:
+    return get_schedule(s)
+  if s.endswith(".json") or os.path.sep in s or os.path.isfile(s):
+    return SparsitySchedule.from_json(s)
+  raise ValueError(
+      f"schedule spec {spec!r} not understood; valid forms: a preset name, a path to a "
+      f"schedule .json file, 'constant:K' (K pages per query), or 'dense'. Presets: "
+      f"{', '.join(names())}")

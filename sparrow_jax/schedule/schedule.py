@@ -47,12 +47,10 @@ from typing import Any, Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.args import is_int
+
 LANDMARKS = ("mean", "quest")
 _FORMAT = "sparrow_jax.SparsitySchedule/v1"
-
-
-def _is_int(v) -> bool:
-  return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,17 +72,17 @@ class SparsitySchedule:
   def __post_init__(self):
     if not isinstance(self.name, str) or not self.name:
       raise ValueError(f"SparsitySchedule.name={self.name!r}: expected a non-empty string")
-    if not _is_int(self.page_size) or self.page_size <= 0 or self.page_size & (self.page_size - 1):
+    if not is_int(self.page_size) or self.page_size <= 0 or self.page_size & (self.page_size - 1):
       raise ValueError(f"SparsitySchedule.page_size={self.page_size!r}: expected a positive "
                        "power of two (kernel blocks are powers of two)")
-    if not _is_int(self.bin_size) or self.bin_size <= 0:
+    if not is_int(self.bin_size) or self.bin_size <= 0:
       raise ValueError(f"SparsitySchedule.bin_size={self.bin_size!r}: expected a positive int "
                        "(tokens per position bin)")
     if isinstance(self.budgets, (str, bytes)) or not isinstance(self.budgets, Sequence):
       raise ValueError(f"SparsitySchedule.budgets={self.budgets!r}: expected a sequence of "
                        "positive ints (pages per bin)")
     for i, b in enumerate(self.budgets):
-      if not _is_int(b) or b <= 0:
+      if not is_int(b) or b <= 0:
         raise ValueError(f"SparsitySchedule.budgets[{i}]={b!r}: expected a positive int "
                          "(top-k pages, reserved pages not included)")
     object.__setattr__(self, "budgets", tuple(int(b) for b in self.budgets))
@@ -99,7 +97,7 @@ class SparsitySchedule:
                        "(or is_dense=True for dense attention)")
     for f in ("reserved_bos", "reserved_recent"):
       v = getattr(self, f)
-      if not _is_int(v) or v < 0:
+      if not is_int(v) or v < 0:
         raise ValueError(f"SparsitySchedule.{f}={v!r}: expected an int >= 0")
       if self.is_dense and v != 0:
         raise ValueError(f"SparsitySchedule.{f}={v!r} with is_dense=True: expected 0 (every "
@@ -111,7 +109,7 @@ class SparsitySchedule:
       raise ValueError(f"SparsitySchedule.dense_layers={self.dense_layers!r}: expected a "
                        "sequence of layer indices")
     for v in self.dense_layers:
-      if not _is_int(v) or v < 0:
+      if not is_int(v) or v < 0:
         raise ValueError(f"SparsitySchedule.dense_layers={self.dense_layers!r}: expected "
                          "layer indices >= 0")
     if len(set(self.dense_layers)) != len(self.dense_layers):
@@ -130,7 +128,7 @@ class SparsitySchedule:
       raise ValueError(f"SparsitySchedule.landmark={self.landmark!r}: expected one of "
                        f"{LANDMARKS}")
     if self.calibrated_to is not None:
-      if not _is_int(self.calibrated_to) or self.calibrated_to <= 0:
+      if not is_int(self.calibrated_to) or self.calibrated_to <= 0:
         raise ValueError(f"SparsitySchedule.calibrated_to={self.calibrated_to!r}: expected a "
                          "positive int (positions the calibration measured) or None")
       object.__setattr__(self, "calibrated_to", int(self.calibrated_to))
@@ -242,16 +240,6 @@ def teacher_forced_budgets(schedule: SparsitySchedule, seq_len: int, batch: int,
   return jnp.broadcast_to(budget_pages(schedule, held, table), (batch, seq_len))
 
 
-def as_schedule(spec, *, page_size: int = 16) -> SparsitySchedule:
-  """A `SparsitySchedule` from a schedule or a constant int budget (one unbounded bin)."""
-  if isinstance(spec, SparsitySchedule):
-    return spec
-  if _is_int(spec):
-    from sparrow_jax.schedule import presets  # local import: presets imports this module
-    return presets.constant(int(spec), page_size=page_size, bin_size=1 << 30)
-  raise ValueError(f"schedule {spec!r}: expected a SparsitySchedule or an int page budget")
-
-
 def pages_attended(schedule: SparsitySchedule, positions) -> jnp.ndarray:
   """int32 nominal pages attended per query: budget + reserved (bos + recent).
 
@@ -272,7 +260,7 @@ def max_budget(schedule: SparsitySchedule, max_position: int | None = None) -> i
   With `max_position` only the bins reachable by positions <= max_position count. A dense
   schedule has no finite budget without `max_position` (then ceil(max_position / page_size)).
   """
-  if max_position is not None and (not _is_int(max_position) or max_position <= 0):
+  if max_position is not None and (not is_int(max_position) or max_position <= 0):
     raise ValueError(f"max_budget: max_position={max_position!r}: expected a positive int")
   if schedule.is_dense:
     if max_position is None:
@@ -319,37 +307,6 @@ def schedule_from_p5(p5: np.ndarray, budgets: Sequence[int], *, tau: float,
   sched = SparsitySchedule(name=name, page_size=page_size, bin_size=bin_size,
                            budgets=tuple(int(c) for c in chosen), tau=tau, **kw)
   return sched, np.asarray(feasible)
-
-
-# --- command-line specs -----------------------------------------------------------------------
-
-def parse_schedule(spec: str) -> SparsitySchedule:
-  """Schedule from a CLI spec: a preset name, a JSON file path, `constant:K`, or `dense`."""
-  from sparrow_jax.schedule import presets  # local import: presets imports this module
-
-  if not isinstance(spec, str) or not spec.strip():
-    raise ValueError(f"schedule spec {spec!r}: expected a non-empty string")
-  s = spec.strip()
-  if s == "dense":
-    return presets.dense()
-  if s.startswith("constant:"):
-    k = s.split(":", 1)[1]
-    try:
-      kv = int(k)
-    except ValueError:
-      kv = -1
-    if kv <= 0:
-      raise ValueError(f"schedule spec {spec!r}: constant:K needs a positive int K (pages), "
-                       f"got {k!r}")
-    return presets.constant(kv)
-  if s in presets.PRESETS:
-    return presets.get_schedule(s)
-  if s.endswith(".json") or os.path.sep in s or os.path.isfile(s):
-    return SparsitySchedule.from_json(s)
-  raise ValueError(
-      f"schedule spec {spec!r} not understood; valid forms: a preset name, a path to a "
-      f"schedule .json file, 'constant:K' (K pages per query), or 'dense'. Presets: "
-      f"{', '.join(presets.names())}")
 
 
 def describe(schedule: SparsitySchedule) -> str:

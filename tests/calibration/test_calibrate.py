@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from sparrow_jax.rl.logprobs import token_logprobs
-from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
+from sparrow_jax.schedule.presets import as_schedule
+from sparrow_jax.schedule.schedule import teacher_forced_budgets
 from sparrow_jax.calibration import calibrate as cal
 from sparrow_jax.schedule.schedule import SparsitySchedule, schedule_from_p5
 

@@ -18,7 +18,8 @@ from sparrow_jax.models.decoder import init_model
 from sparrow_jax.models.lora import LoRAConfig, init_lora
 from sparrow_jax.models.quality_head import init_quality_head, quality_logits
 from sparrow_jax.rl.arrol import detection_position
-from sparrow_jax.schedule.schedule import teacher_forced_budgets, as_schedule
+from sparrow_jax.schedule.presets import as_schedule
+from sparrow_jax.schedule.schedule import teacher_forced_budgets
 
 CFG = get_config("tiny", eos_token_ids=(), num_layers=3)
 DETECT = 7

@@ -12,7 +12,8 @@ from sparrow_jax.models.lora import LoRAConfig, init_lora, lora_norms
 from sparrow_jax.rl import distill
 from sparrow_jax.rl.switching import probe_tail_alpha
 from sparrow_jax.schedule.presets import constant
-from sparrow_jax.schedule.schedule import as_schedule, teacher_forced_budgets
+from sparrow_jax.schedule.presets import as_schedule
+from sparrow_jax.schedule.schedule import teacher_forced_budgets
 from tests.rl.sparse_setup import sample_sparse_actor, sharp_tiny, sparse_spec
 
 B, T, P = 2, 96, 16  # 6 pages: 1 selected + 1 bos + 2 recent leaves 2 pages out

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from sparrow_jax.schedule import presets
+from sparrow_jax.schedule.presets import parse_schedule
 from sparrow_jax.schedule.schedule import (SparsitySchedule, budget_pages, max_budget,
                                            pages_attended, pages_held, pages_read,
-                                           parse_schedule, schedule_from_p5,
-                                           beyond_calibrated_frac, uncalibrated_positions)
+                                           schedule_from_p5, beyond_calibrated_frac,
+                                           uncalibrated_positions)
 
 # Copy of the table in shared/papers/sparrow_release_facts.md, kept here so the test does not
 # depend on that file: the presets must reproduce it exactly.
