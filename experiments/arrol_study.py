@@ -104,7 +104,7 @@ def simulate_rules(groups: int = 4000, size: int = 8, seed: int = 0) -> dict:
   the kept rollouts for random pruning, the paper's rule and the signed rule."""
   import numpy as np
 
-  from sparrow_jax.rl.arrol import survival_probabilities
+  from sparrow_jax.rl.arrol_math import survival_probabilities
   rng = np.random.default_rng(seed)
   out = {}
   for name, (a, b) in {"easy Beta(2.5,0.8)": (2.5, 0.8), "hard Beta(0.8,2.5)": (0.8, 2.5),
