@@ -10,8 +10,8 @@ of ~170 tokens padded to the 256-token bucket, top-20 log-probs for the monitor)
   dense top-k), and the same without top-k (what the top-k costs);
 * `update`: what the trainer's `update` runs: value and gradient of a GRPO-style token-mean
   loss of `token_logprobs` (forward + backward; `--remat` as the preset sets it), then the
-  preset's optimizer step (`run.builders.make_optimizer`, `_guarded_apply`), with parameters
-  and optimizer state donated as the trainer donates them.
+  preset's optimizer step (`run.builders.make_optimizer`, `run.programs.guarded_apply`), with
+  parameters and optimizer state donated as the trainer donates them.
 
 Each is compiled ahead of time (compile seconds printed apart), then the calls are timed in
 alternation (A B A B ...) so load on a shared machine hits both alike; medians of `--repeats`.
@@ -63,10 +63,11 @@ def main(argv=None) -> int:
 
   from flax import nnx
   from sparrow_jax.models.config import get_config
-  from sparrow_jax.run.builders import _guarded_apply, make_optimizer
+  from sparrow_jax.run.builders import make_optimizer
   from sparrow_jax.run.config import get_train_config
   from sparrow_jax.models.decoder import init_model
   from sparrow_jax.rl.logprobs import token_logprobs
+  from sparrow_jax.run.programs import guarded_apply
 
   mc = get_config(args.config)
   model = init_model(mc)
@@ -96,7 +97,7 @@ def main(argv=None) -> int:
 
   def update(p, opt_state, tokens, lengths):
     val, grads = jax.value_and_grad(loss)(p, tokens, lengths)
-    p, opt_state, ok, gnorm = _guarded_apply(tx, p, opt_state, grads, val)
+    p, opt_state, ok, gnorm = guarded_apply(tx, p, opt_state, grads, val)
     return p, opt_state, val, gnorm
 
   opt_state = jax.jit(tx.init)(params)

@@ -21,7 +21,6 @@ from sparrow_jax.rl.advantages import ADVANTAGES
 from sparrow_jax.rl import rewards as rewards_lib
 from sparrow_jax.run import sharding as sh
 from sparrow_jax.run.config import TrainConfig
-from sparrow_jax.run.programs import guarded_apply as _guarded_apply  # noqa: F401 (trainer.py)
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.schedule.presets import parse_schedule
 from sparrow_jax.schedule.schedule import SparsitySchedule
