@@ -170,7 +170,7 @@ def training_phases(cfg: TrainConfig, mesh, *, report: Callable[[str], None] = l
                                                     "lengths")), scalar), r, l)
   r, l = worst_micro_batch(cfg, div, grad=True)
   keys = ["tokens", "lengths", "mask", "advantages", "prompt_lens"]  # (as the trainer's)
-  if not cfg.skips_recompute:
+  if not cfg.skips_recompute or loss_cfg.rollout_mode == "bypass":
     keys.append("old_logp")
   if loss_cfg.uses_rollout_correction:
     keys.append("rollout_logp")

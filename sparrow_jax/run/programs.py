@@ -102,6 +102,7 @@ def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, tempe
                    response_window: int | None = None,
                    count: Callable[[], None] = lambda: None, hints=(None, ())):
   """One micro-batch of the GRPO loss; see the module docstring."""
+  bypass = loss_cfg.rollout_mode == "bypass"
 
   def loss_fn(params, mb, den):
     model = nnx.merge(graphdef, params)
@@ -109,14 +110,17 @@ def make_grad_step(graphdef, loss_cfg: grpo.GRPOLossConfig, *, chunk: int, tempe
                         with_entropy=with_entropy, remat=remat, temperature=temperature,
                         topk=topk if skip_recompute else 0,
                         window=_window(mb, response_window))
-    old = jax.lax.stop_gradient(st.logp) if skip_recompute else mb["old_logp"]
+    # The PPO clip's old policy: the recompute's, or this forward's own when the recompute is
+    # skipped (ratio exactly 1); in bypass mode the rollout actor's (old = rollout).
+    old = (mb["old_logp"] if bypass or not skip_recompute
+           else jax.lax.stop_gradient(st.logp))
     loss, metrics = grpo.grpo_loss(st.logp, old, mb["advantages"], mb["mask"], loss_cfg,
                                    ref_logp=mb.get("ref_logp"),
                                    rollout_logp=mb.get("rollout_logp"), entropy=st.entropy,
                                    **den)
     aux = {}
-    if skip_recompute:
-      aux = {"old_logp": old}
+    if skip_recompute:  # the dense policy's own log-probs (the monitor reads them)
+      aux = {"old_logp": jax.lax.stop_gradient(st.logp)}
       if topk:
         aux.update(dense_topk_ids=st.topk_ids,
                    dense_topk_logp=jax.lax.stop_gradient(st.topk_logp))

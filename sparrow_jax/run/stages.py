@@ -145,16 +145,16 @@ def mini_batch_grads(ln: Learner, params, arrays: dict[str, np.ndarray]):
   the mini-batch in one piece). `aux`: with the recompute skipped, the forward's own old
   log-probs and dense top-k, as full host arrays."""
   progs, loss_cfg = ln.programs, ln.loss_cfg
-  den = grpo.loss_denominators(grpo.loss_mask(
+  den = grpo.mini_batch_denominators(
       jnp.asarray(arrays["mask"]), loss_cfg,
       old_logp=None if "old_logp" not in arrays else jnp.asarray(arrays["old_logp"]),
       rollout_logp=(None if "rollout_logp" not in arrays
-                    else jnp.asarray(arrays["rollout_logp"]))))
+                    else jnp.asarray(arrays["rollout_logp"])))
   keys = [k for k in ("tokens", "lengths", "prompt_lens", "mask", "advantages", "old_logp",
                       "rollout_logp", "ref_logp") if k in arrays]
   if not loss_cfg.uses_rollout_correction:
     keys = [k for k in keys if k != "rollout_logp"]
-  if progs.skip_recompute:
+  if progs.skip_recompute and loss_cfg.rollout_mode != "bypass":
     keys = [k for k in keys if k != "old_logp"]
   acc = progs.zeros(params)
   losses, per_micro, n_in, aux = [], [], [], {}
@@ -172,11 +172,14 @@ def mini_batch_grads(ln: Learner, params, arrays: dict[str, np.ndarray]):
   return jnp.sum(jnp.stack(losses)), metrics, acc, aux
 
 
-def update_inputs(b) -> dict[str, np.ndarray]:
-  """The update's host arrays of a batch: `mask` is the GRPO loss mask."""
+def update_inputs(b, loss_cfg) -> dict[str, np.ndarray]:
+  """The update's host arrays of a batch: `mask` is the GRPO loss mask; in bypass mode the
+  PPO clip's old policy is the rollout actor (old_logp = rollout_logp)."""
   arrays = b.arrays("tokens", "lengths", "prompt_lens", "advantages", "old_logp",
                     "rollout_logp", "ref_logp")
   arrays["mask"] = b.loss_mask if b.loss_mask is not None else b.mask
+  if loss_cfg.rollout_mode == "bypass":
+    arrays["old_logp"] = b.rollout_logp
   return arrays
 
 
@@ -204,7 +207,8 @@ def update(ln: Learner, state: TrainState, rec: StepRecord) -> TrainState:
   """The GRPO update of the batch. With the recompute skipped, the forward's own old
   log-probs and the monitor's dense top-k fill the batch's fields."""
   b = rec.batch
-  state, rec.update_metrics, rec.all_finite, aux = apply_updates(ln, state, update_inputs(b))
+  state, rec.update_metrics, rec.all_finite, aux = apply_updates(ln, state,
+                                                                 update_inputs(b, ln.loss_cfg))
   for k, v in aux.items():
     assert k in ("old_logp", "dense_topk_ids", "dense_topk_logp"), k  # typed fields only
     setattr(b, k, v)
