@@ -33,6 +33,7 @@ class GenerationInfo:
   num_errors: int  # verifier errors
   num_timeouts: int  # verifiers killed at reward_timeout_s
   prune_hook: Any = None  # the engine's ARRoL hook of this rollout (its metrics)
+  agent: dict = dataclasses.field(default_factory=dict)  # agent/* metrics (multi-turn)
 
 
 @dataclasses.dataclass(slots=True)  # (slots: a field not declared here cannot be added)

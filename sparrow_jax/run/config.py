@@ -176,6 +176,13 @@ class TrainConfig:
   arrol_warmup_steps: int = 20  # steps without pruning while the head learns
   arrol_head_lr: float = 0.01  # Adam on the head (authors' code)
   arrol_steer: str = "paper"  # paper | signed (see rl/arrol.py: the paper's rule and ours)
+  # Multi-turn tool use (issue 49, sparrow_jax/agents): "" = single-turn rollouts
+  tools: str = ""  # comma-separated: calculator, python
+  tool_format: str = "qwen3"  # qwen3 (<tool_call>{json}</tool_call>) | plain (<tool NAME TEXT>)
+  max_turns: int = 4  # policy turns per trajectory (a call in the last one is not run)
+  max_tool_response_tokens: int = 256  # each tool response cut to this many tokens
+  tool_timeout_s: float = 5.0  # the Python tool's wall-clock limit per call
+  tool_demo_frac: float = 0.5  # warm-start demonstrations that call the tool (synthetic task)
   # mismatch monitor and schedule ladder
   monitor_topk: int = 20
   mismatch_bin_size: int = 2048
@@ -313,6 +320,7 @@ class TrainConfig:
     if self.export_dtype not in (None, "float32", "bfloat16", "float16"):
       raise ValueError(f"export_dtype={self.export_dtype!r}: expected float32, bfloat16, "
                        "float16 or none (= param_dtype)")
+    _check_tools(self)
     bad = [x for x in self.loggers if x not in LOGGERS]
     if bad or not self.logger.strip():
       raise ValueError(f"logger={self.logger!r}: expected a comma-separated subset of "
@@ -413,6 +421,31 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
 # (BENCHMARKS.md, "Every Qwen3 preset compiled", 2026-12-05). The XLA decode chunk gathers
 # every slot's pages: its temporaries scale with num_slots, so 8B and 14B take the slots their
 # 256 rollouts need per device (256 / 8, 256 / 16); 4B, at 64 per device, a smaller pool.
+def _check_tools(cfg: TrainConfig) -> None:
+  """The multi-turn keys (issue 49)."""
+  if not cfg.tools:
+    return
+  names = [n.strip() for n in cfg.tools.split(",") if n.strip()]
+  known = ("calculator", "python")
+  if not names or any(n not in known for n in names):
+    raise ValueError(f"tools={cfg.tools!r}: expected a comma-separated subset of {known}")
+  if cfg.tool_format not in ("qwen3", "plain"):
+    raise ValueError(f"tool_format={cfg.tool_format!r}: expected qwen3 or plain")
+  for f in ("max_turns", "max_tool_response_tokens"):
+    if getattr(cfg, f) < 1:
+      raise ValueError(f"{f}={getattr(cfg, f)!r}: expected a positive integer")
+  if not cfg.tool_timeout_s > 0:
+    raise ValueError(f"tool_timeout_s={cfg.tool_timeout_s!r}: expected > 0 seconds")
+  if not 0 <= cfg.tool_demo_frac <= 1:
+    raise ValueError(f"tool_demo_frac={cfg.tool_demo_frac!r}: expected in [0, 1]")
+  if cfg.arrol:
+    raise ValueError("tools with arrol=true: not supported (ARRoL's detection length and "
+                     "its engine hook count one uninterrupted generation)")
+  if getattr(cfg, "max_staleness", 0):
+    raise ValueError("tools with max_staleness > 0: not supported yet (the agent loop runs "
+                     "its turns as synchronous engine calls)")
+
+
 _GPU_MEMORY: dict[str, dict] = {"qwen3_4b": dict(kv_cache_fraction=0.75),
                                 "qwen3_8b": dict(num_slots=32),
                                 "qwen3_14b": dict(num_slots=16)}
@@ -432,6 +465,19 @@ PRESETS: dict[str, TrainConfig] = {
         warmstart_batch=32, distill=True, lora_rank=4, distill_lr=3e-4,
         out_dir="runs/tiny", tensorboard=True, mismatch_bin_size=8, monitor_topk=8,
         probe_every=4, arrol_detect_len=1, arrol_warmup_steps=10),
+    # Multi-turn tool use (issue 49): 4-6 digit sums and products, which the tiny model
+    # cannot compute but can copy into a calculator call (`<tool calculator 1234*5678>`) and
+    # copy the result (`<result 7006652>`) into its answer. The warm start shows the tool on
+    # 30% of its demonstrations; GRPO rewards the exact answer, so it learns to call it.
+    "tiny_tools": TrainConfig(
+        model="tiny", arith_min_digits=4, arith_max_digits=6, arith_ops="+*",
+        arith_template="raw", num_examples=2000, reward="exact_match", prompts_per_step=16,
+        group_size=8, max_prompt_len=32, max_new_tokens=64, temperature=1.0,
+        schedule="constant:4", page_size=4, dense_layers="0", num_slots=128, decode_chunk=8,
+        num_steps=40, lr=1e-3, max_grad_norm=1.0, warmstart_steps=300, warmstart_lr=3e-3,
+        warmstart_batch=32, tools="calculator", tool_format="plain", max_turns=2,
+        max_tool_response_tokens=24, tool_demo_frac=0.3, out_dir="runs/tiny_tools",
+        mismatch_bin_size=16, monitor_topk=8, sample_every=10),
     "smollm2_135m": TrainConfig(
         model="smollm2_135m", arith_min_digits=1, arith_max_digits=2, arith_template="boxed",
         reward="boxed_exact", prompts_per_step=4, group_size=4, max_prompt_len=128,

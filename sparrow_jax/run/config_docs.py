@@ -219,6 +219,21 @@ KEY_DOCS: dict[str, str] = {
     "arrol_warmup_steps": "Steps without pruning while the head learns.",
     "arrol_head_lr": "Adam learning rate of the quality head.",
     "arrol_steer": "paper | signed: the steering rule (rl/arrol.py explains both).",
+    # multi-turn tool use
+    "tools": "Tools of multi-turn rollouts, comma-separated: calculator (exact integer and "
+             "rational arithmetic) | python (a sandboxed process); empty = single-turn "
+             "rollouts (sparrow_jax/agents; verl: actor_rollout_ref.rollout.multi_turn).",
+    "tool_format": "How a turn calls a tool: qwen3 (`<tool_call>{json}</tool_call>` and the "
+                   "chat template's `<tool_response>` turn) | plain (`<tool NAME TEXT>` -> "
+                   "`<result TEXT>`, for byte-tokenizer models).",
+    "max_turns": "Policy turns per trajectory; a call in the last turn is not executed "
+                 "(verl: multi_turn.max_assistant_turns).",
+    "max_tool_response_tokens": "Each tool response is cut to this many tokens before it "
+                                "enters the context (verl: multi_turn.max_tool_response_length).",
+    "tool_timeout_s": "Wall-clock seconds the Python tool may run per call; past it the "
+                      "process group is killed and the model gets a timeout error.",
+    "tool_demo_frac": "Share of the warm start's synthetic demonstrations that call the tool "
+                      "(the others answer directly).",
     # monitor / ladder
     "monitor_topk": "Top-k log-probs the sampler keeps for the acceptance-rate monitor (the "
                     "release keeps 20).",

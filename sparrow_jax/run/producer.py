@@ -20,6 +20,8 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from sparrow_jax.agents import AgentLoop, agent_metrics, build_registry, final_answer_ids
+from sparrow_jax.agents import make_format
 from sparrow_jax.engine.config import Completion
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams, request_seed
@@ -118,6 +120,7 @@ class Producer:
     self.arrol_stop_ids = arrol_stop_ids
     self.prune_hook = None  # ARRoL's engine hook of the latest rollout
     self._scorer: RewardScorer | None = None  # started on first use
+    self.agent = make_agent_loop(cfg, tokenizer)  # multi-turn tool use (`tools`), or None
 
   # --- verifiers ------------------------------------------------------------------------
   @property
@@ -138,7 +141,9 @@ class Producer:
   def score(self, examples, completions):
     """Rewards [n] of `completions` against their prompts' answers, and the verifier result."""
     cfg = self.cfg
-    texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    # A multi-turn trajectory is scored on its answer: the tokens after the last tool response.
+    texts = [self.tokenizer.decode(final_answer_ids(c), skip_special_tokens=True)
+             for c in completions]
     answers = [examples[c.request_id[0]].answer for c in completions]
     res = self.scorer(texts, answers)
     r = np.asarray(res.rewards, np.float32)
@@ -170,8 +175,18 @@ class Producer:
     if self.arrol is not None:
       self.prune_hook = arrol_lib.ArrolHook(self.arrol, self.arrol_stop_ids,
                                             seed=self.cfg.seed, step=step)
-    return self.rollout_engine.generate(self.requests(examples, step, round_), lora=lora,
-                                        prune=self.prune_hook)
+    reqs = self.requests(examples, step, round_)
+    if self.agent is not None:  # turns of every trajectory, the engine's counters summed
+      total = {k: 0 for k in ENGINE_METRICS}
+
+      def generate(turn_reqs):
+        out = self.rollout_engine.generate(turn_reqs, lora=lora, prune=None)
+        _add_engine_stats(total, self.rollout_engine.stats)
+        return out
+      comps = self.agent.run(reqs, generate)
+      self.rollout_engine.stats = total
+      return comps
+    return self.rollout_engine.generate(reqs, lora=lora, prune=self.prune_hook)
 
   def generate_groups(self, step: int, *, lora=None
                       ) -> tuple[list, np.ndarray, list, GenerationInfo]:
@@ -188,6 +203,7 @@ class Producer:
     g, n_prompts = cfg.group_size, cfg.prompts_per_step
     pool = grpo.GroupPool(g, keep_dropped=True)
     comps, rewards, results, pruned_comps, comp_examples = [], [], [], [], []
+    records = []  # the agent loop's record of each completion (multi-turn)
     engine_stats = {k: 0 for k in ENGINE_METRICS}
     t_roll = t_score = 0.0
     while True:
@@ -198,6 +214,8 @@ class Producer:
         pruned_comps += [c for c in new if c.pruned]
         new = [c for c in new if not c.pruned]
       t1 = time.perf_counter()
+      if self.agent is not None:
+        records += self.agent.last_records
       comp_examples += [examples[c.request_id[0]] for c in new]
       _add_engine_stats(engine_stats, self.rollout_engine.stats)
       r, res = self.score(examples, new)
@@ -218,7 +236,8 @@ class Producer:
         completions=comps, rewards=rewards, rounds=len(results), rollout_s=t_roll,
         reward_s=t_score, engine=engine_stats, pruned=pruned_comps,
         num_errors=sum(x.num_errors for x in results),
-        num_timeouts=sum(x.num_timeouts for x in results), prune_hook=self.prune_hook)
+        num_timeouts=sum(x.num_timeouts for x in results), prune_hook=self.prune_hook,
+        agent=agent_metrics(records, rewards) if self.agent is not None else {})
     return ([comps[i] for i in index], rewards[index], [comp_examples[i] for i in index],
             info)
 
@@ -230,6 +249,17 @@ class Producer:
                       topk=self.cfg.monitor_topk, step=step, examples=examples,
                       rewards=rewards, version=version, schedule=schedule, lora=lora,
                       info=info)
+
+
+def make_agent_loop(cfg, tokenizer) -> AgentLoop | None:
+  """The agent loop of a config with `tools` (None without)."""
+  if not cfg.tools:
+    return None
+  reg = build_registry(cfg.tools, max_output_chars=8 * cfg.max_tool_response_tokens,
+                       python_timeout_s=cfg.tool_timeout_s)
+  return AgentLoop(make_format(cfg.tool_format, reg), reg, tokenizer, max_turns=cfg.max_turns,
+                   max_tool_response_tokens=cfg.max_tool_response_tokens,
+                   topk=cfg.monitor_topk)
 
 
 def _add_engine_stats(total: dict, new: dict) -> None:

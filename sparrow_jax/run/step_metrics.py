@@ -48,6 +48,7 @@ def step_metrics(tr, rec) -> dict[str, Any]:
       "rollout/tokens": gen_tokens,
       "rollout/tokens_per_s": gen_tokens / max(t["rollout"], 1e-9),
       **{f"rollout/{k}": v for k, v in gen.engine.items()},
+      **gen.agent,  # turns, tool calls, errors, timeouts, env token share (agents/loop.py)
       "recompute/skipped": float(tr.learner.programs.skip_recompute),
       "compilations": tr.learner.programs.count.n + tr.rollout.num_compilations,
       "skipped_update": not rec.all_finite, "schedule": b.schedule.name,

@@ -11,6 +11,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from sparrow_jax.agents import build_registry, make_format
+from sparrow_jax.agents.loop import TextCodec
+from sparrow_jax.agents.tasks import demo_responses, encode_segments
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.run import sharding as sh
@@ -27,12 +30,24 @@ def encode_response(tokenizer, text: str, eos: int | None) -> list[int]:
   return ids + ([eos] if eos is not None else [])
 
 
-def warmstart_pairs(cfg, tokenizer, examples, eos: int | None) -> list[tuple[list, list]]:
+def warmstart_pairs(cfg, tokenizer, examples, eos: int | None) -> list[tuple]:
   """(prompt ids, solution ids) of every example (the solution: its metadata's `solution`,
-  else the answer)."""
+  else the answer); with `tools`, (prompt ids, demonstration ids, loss mask) of the tool
+  demonstrations (`agents/tasks.py`: the tool responses' tokens have mask 0)."""
+  if cfg.tools:
+    return _tool_pairs(cfg, tokenizer, examples, eos)
   return [(encode_prompt(tokenizer, e, cfg.chat_template),
            encode_response(tokenizer, e.metadata.get("solution", e.answer), eos))
           for e in examples]
+
+
+def _tool_pairs(cfg, tokenizer, examples, eos: int | None) -> list[tuple]:
+  reg = build_registry(cfg.tools, python_timeout_s=cfg.tool_timeout_s)
+  fmt = make_format(cfg.tool_format, reg)
+  codec = TextCodec(tokenizer)
+  demos = demo_responses(examples, fmt, reg, frac=cfg.tool_demo_frac, seed=cfg.seed + 2)
+  return [(encode_prompt(tokenizer, e, cfg.chat_template), *encode_segments(d, codec.encode, eos))
+          for e, d in zip(examples, demos)]
 
 
 def warmstart(cfg, params, graphdef, mesh, param_shardings, pairs,
@@ -41,7 +56,7 @@ def warmstart(cfg, params, graphdef, mesh, param_shardings, pairs,
   policy keeps its layout (`param_shardings`): the RL programs compile once for it."""
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.warmstart_lr))
   opt, opt_shardings = init_opt(tx, params)
-  t = _bucket(max(len(p) + len(r) for p, r in pairs))
+  t = _bucket(max(len(x[0]) + len(x[1]) for x in pairs))
 
   def sft(params, opt_state, tokens, lengths, mask):
     def loss_fn(p):
@@ -62,10 +77,10 @@ def warmstart(cfg, params, graphdef, mesh, param_shardings, pairs,
     mask = np.zeros((len(idx), t), np.float32)
     lengths = np.zeros((len(idx),), np.int32)
     for j, i in enumerate(idx):
-      p, r = pairs[i]
+      p, r, *m = pairs[i]  # m: the response's loss mask (tool demonstrations)
       tokens[j, :len(p)] = p
       tokens[j, len(p):len(p) + len(r)] = r
-      mask[j, len(p):len(p) + len(r)] = 1
+      mask[j, len(p):len(p) + len(r)] = m[0] if m else 1
       lengths[j] = len(p) + len(r)
     params, opt, loss = sft(params, opt, jnp.asarray(tokens), jnp.asarray(lengths),
                             jnp.asarray(mask))
