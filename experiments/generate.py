@@ -123,6 +123,44 @@ def _encode(tok, messages, raw: bool) -> list[int]:
   return encode_prompt(tok, PromptExample(tuple(messages), ""), use_chat=not raw)
 
 
+def _agent(args, tok):
+  """The agent loop of --tools (None without): the trainer's (`sparrow_jax/agents`)."""
+  if not args.tools:
+    return None
+  from sparrow_jax.agents import AgentLoop, build_registry, make_format
+  reg = build_registry(args.tools)
+  fmt_name = args.tool_format or ("qwen3" if getattr(tok, "chat_template", None) else "plain")
+  return AgentLoop(make_format(fmt_name, reg), reg, tok, max_turns=args.max_turns)
+
+
+def _encode_with_tools(tok, messages, raw: bool, agent) -> list[int]:
+  """`_encode`, with the tools' descriptions in the chat template's `tools` (Qwen3 lists them
+  in its system turn) when there is a template and an agent loop."""
+  if agent is None or raw or not getattr(tok, "chat_template", None):
+    return _encode(tok, messages, raw)
+  text = tok.apply_chat_template(list(messages), tools=agent.registry.schemas(), tokenize=False,
+                                 add_generation_prompt=True)
+  return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _run(engine, reqs, lora, agent):
+  """Completions of `reqs`: one generation each, or the agent loop's trajectories."""
+  if agent is None:
+    return engine.generate(reqs, lora=lora)
+  return agent.run(reqs, lambda rs: engine.generate(rs, lora=lora))
+
+
+def _show(tok, out, record=None) -> str:
+  """A completion's text; with the agent loop's `record`, the whole trajectory (tool calls
+  and responses) and what it took."""
+  if record is None:
+    return tok.decode(out.token_ids, skip_special_tokens=True)
+  r = record
+  return (tok.decode(out.token_ids, skip_special_tokens=False)
+          + f"\n[{r.turns} turns, {r.tool_calls} tool calls, {r.tool_errors} errors, "
+          f"{r.tool_timeouts} timeouts, {r.env_tokens} tool-response tokens]")
+
+
 def _chat(args, engine, tok, lora, params_of) -> int:
   """One reply per stdin line; the conversation is the prompt when a chat template exists."""
   from sparrow_jax.engine.engine import Request
@@ -131,6 +169,7 @@ def _chat(args, engine, tok, lora, params_of) -> int:
   if not multi_turn:
     print("[no chat template: each line is a prompt of its own]", file=sys.stderr)
   history, turn = [], 0
+  agent = _agent(args, tok)
   interactive = sys.stdin.isatty()
   while True:
     if interactive:
@@ -148,17 +187,20 @@ def _chat(args, engine, tok, lora, params_of) -> int:
     if not text.strip():
       continue
     history = (history if multi_turn else []) + [{"role": "user", "content": text}]
-    ids = _encode(tok, history, args.no_chat_template)
+    ids = _encode_with_tools(tok, history, args.no_chat_template, agent)
     req = Request(ids, params_of(turn), turn)
     turn += 1
     try:
-      out = engine.generate([req], lora=lora)[0]
+      out = _run(engine, [req], lora, agent)[0]
     except ValueError as e:  # the conversation outgrew --max-seq-len
       print(f"[{e}; conversation cleared]", file=sys.stderr)
       history = []
       continue
+    print(_show(tok, out, agent and agent.last_records[0]), flush=True)
+    if agent is not None:  # the conversation keeps the answer (after the last tool response)
+      from sparrow_jax.agents import final_answer_ids
+      out = dataclasses.replace(out, token_ids=final_answer_ids(out))
     reply = tok.decode(out.token_ids, skip_special_tokens=True)
-    print(reply, flush=True)
     history.append({"role": "assistant", "content": reply})
 
 
@@ -175,6 +217,13 @@ def main(argv=None) -> int:
                   help="prompt text (repeat for a batch)")
   ap.add_argument("--chat", action="store_true",
                   help="interactive: one user message per stdin line")
+  ap.add_argument("--tools", default="",
+                  help="multi-turn tool use, comma-separated: calculator, python (the "
+                       "trainer's agent loop; --max-new-tokens is the whole trajectory's)")
+  ap.add_argument("--tool-format", default=None, choices=["qwen3", "plain"],
+                  help="tool-call format (default: qwen3 with a chat template, else plain)")
+  ap.add_argument("--max-turns", type=positive(int), default=4,
+                  help="with --tools: policy turns per reply")
   ap.add_argument("--max-new-tokens", type=positive(int), default=32,
                   help="tokens generated per prompt at most")
   ap.add_argument("--temperature", type=at_least(float, 0), default=0.0, help="0 = greedy")
@@ -228,7 +277,9 @@ def main(argv=None) -> int:
                               cache_dtype=args.cache_dtype),
           attention=attention, schedule=schedule)
     else:
-      reqs = [Request(_encode(tok, [{"role": "user", "content": text}], args.no_chat_template),
+      agent = _agent(args, tok)
+      reqs = [Request(_encode_with_tools(tok, [{"role": "user", "content": text}],
+                                         args.no_chat_template, agent),
                       params_of(i), i) for i, text in enumerate(args.prompt)]
       longest = max(len(r.prompt_ids) for r in reqs)
       max_len = args.max_seq_len or min(max_pos, longest + args.max_new_tokens + 1)
@@ -244,14 +295,14 @@ def main(argv=None) -> int:
     return _chat(args, engine, tok, lora, params_of)
   try:
     t0 = time.perf_counter()
-    outs = engine.generate(reqs, lora=lora)
+    outs = _run(engine, reqs, lora, agent)
     dt = time.perf_counter() - t0
   except ValueError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  for r, o in zip(reqs, outs):
+  for i, (r, o) in enumerate(zip(reqs, outs)):
     print(f"--- prompt {r.request_id} ({len(r.prompt_ids)} tokens), finish={o.finish_reason}")
-    print(tok.decode(o.token_ids, skip_special_tokens=True))
+    print(_show(tok, o, agent and agent.last_records[i]))
   n = sum(len(o.token_ids) for o in outs)
   print(f"[{n} tokens in {dt:.2f}s incl. compilation; {engine.num_compilations} compilations]",
         file=sys.stderr)

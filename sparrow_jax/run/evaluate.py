@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from sparrow_jax.agents import agent_metrics, final_answer_ids
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.rl import data as data_lib
 from sparrow_jax.rl import rewards as rewards_lib
@@ -16,6 +17,7 @@ from sparrow_jax.rl.eval_metrics import eval_summary, trace_confidence, weighted
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams
 from sparrow_jax.run.builders import encode_prompt
+from sparrow_jax.run.producer import make_agent_loop
 
 MODES = ("dense", "sparse", "sparse_lora")
 
@@ -77,12 +79,18 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   hook = None
   if getattr(trainer, "arrol", None) is not None:
     hook = _ScoreOnly(trainer.arrol, trainer.arrol_stop_ids)
+  agent = make_agent_loop(cfg, trainer.tokenizer)  # with `tools`: the training agent loop
   try:
     # (a trainer over several processes splits the prompts between them and gathers)
-    comps = trainer.rollout.generate(reqs, lora=lora, prune=hook)
+    if agent is not None:
+      comps = agent.run(reqs, lambda rs: trainer.rollout.generate(rs, lora=lora, prune=None))
+    else:
+      comps = trainer.rollout.generate(reqs, lora=lora, prune=hook)
   finally:
     engine.set_attention(*saved)
-  texts = [trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+  # a multi-turn trajectory is scored on its answer (after the last tool response)
+  texts = [trainer.tokenizer.decode(final_answer_ids(c), skip_special_tokens=True)
+           for c in comps]
   res = verifier_pool.score_batch(trainer.reward_fn, texts,
                                   [examples[c.request_id[0]].answer for c in comps],
                                   timeout_s=cfg.reward_timeout_s)
@@ -100,6 +108,8 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
     out[f"eval/head_maj@{k}"] = weighted_maj_at_k(
         answers, rewards.tolist(), [_rank_last_unscored(row) for row in by_prompt(
             [c.quality_logit for c in comps])], k, rank=True)
+  if agent is not None:
+    out.update(agent_metrics(agent.last_records, np.asarray(res.rewards), prefix="eval/agent/"))
   out["eval/mode"] = mode
   out["eval/samples"] = len(comps)
   out["eval/response_len_mean"] = float(np.mean([len(c.token_ids) for c in comps]))
