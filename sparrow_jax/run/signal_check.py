@@ -46,6 +46,11 @@ class ZeroSignalCheck:
     self._all_flat = True
     self._example: tuple[str, str] | None = None
 
+  @property
+  def watching(self) -> bool:
+    """Still within the first `first_k` steps and not yet warned: responses matter."""
+    return not self.warned and self._steps < self.first_k
+
   def observe(self, step: int, rewards, group_size: int, response_texts: Sequence[str],
               expected_answers: Sequence[str], group_ids: Sequence | None = None
               ) -> str | None:
@@ -99,3 +104,24 @@ class ZeroSignalCheck:
   def summary(self) -> dict[str, int]:
     """For the run's summary: zero-variance groups and groups seen."""
     return {"zero_variance_groups": self.zero_variance_groups, "groups": self.groups}
+
+
+METRIC = "reward/zero_variance_groups"  # per step; the summary adds them up
+
+
+def observe_step(check: ZeroSignalCheck, trainer, metrics: dict) -> str | None:
+  """After one step of `trainer` (its `last_rollout`: the example of each completion, the
+  completions, their rewards): feed `check`, put the step's zero-variance group count into
+  `metrics` under METRIC, and return the warning line when it is due. Responses are decoded
+  (as the verifier saw them) only while the check still watches the first steps."""
+  if trainer.last_rollout is None:
+    return None
+  examples, comps, rewards = trainer.last_rollout
+  before = check.zero_variance_groups
+  texts = ([trainer.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in comps]
+           if check.watching else [""] * len(comps))
+  warning = check.observe(trainer.step, rewards, trainer.cfg.group_size, texts,
+                          [e.answer for e in examples],
+                          group_ids=[c.request_id[0] for c in comps])
+  metrics[METRIC] = check.zero_variance_groups - before
+  return warning

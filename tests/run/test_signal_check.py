@@ -59,3 +59,26 @@ def test_bad_arguments():
     check.observe(1, [0] * 4, 3, ["a"] * 4, ["b"] * 4)
   with pytest.raises(ValueError, match="4 rewards, 2 responses"):
     check.observe(1, [0] * 4, 2, ["a"] * 2, ["b"] * 4)
+
+
+def test_observe_step_reads_the_trainers_last_rollout():
+  import types
+
+  from sparrow_jax.rl.data import PromptExample
+  from sparrow_jax.rl.tokenizers import ByteTokenizer
+  from sparrow_jax.run.signal_check import METRIC, observe_step
+
+  tok = ByteTokenizer()
+  ex = [PromptExample("2+3=", "2+3=5\n#### 5"), PromptExample("1+1=", "#### 2")]
+  comps = [types.SimpleNamespace(token_ids=tok.encode(t, add_bos=False), request_id=(i // 2, i))
+           for i, t in enumerate(["5", "5", "", "2"])]
+  tr = types.SimpleNamespace(step=1, tokenizer=tok, cfg=types.SimpleNamespace(group_size=2),
+                             last_rollout=([ex[0], ex[0], ex[1], ex[1]], comps, [0.0] * 4))
+  check = ZeroSignalCheck("exact_match", first_k=2)
+  metrics = {}
+  assert observe_step(check, tr, metrics) is None and metrics[METRIC] == 2
+  tr.step = 2
+  msg = observe_step(check, tr, metrics)
+  assert "reward=exact_match" in msg and "One response: '5'" in msg
+  assert "expected answer it was compared with: '2+3=5 #### 5'" in msg
+  assert observe_step(check, types.SimpleNamespace(last_rollout=None), {}) is None
