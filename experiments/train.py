@@ -3,6 +3,8 @@ r"""Train a Qwen3 policy with GRPO on sparse rollouts.
     python experiments/train.py                        # the embedded `tiny` default (CPU, minutes)
     python experiments/train.py --config qwen3_1p7b model_path=/ckpt/Qwen3-1.7B data=train.jsonl
     python experiments/train.py --config qwen3_14b --dry-run --num-devices 32
+    python experiments/train.py --config my.yaml num_steps=2     # a YAML/JSON config file
+    python experiments/train.py --config runs/tiny/config.json out_dir=runs/again  # rerun it
     python experiments/train.py --resume out_dir=runs/tiny           # continue a run
     python experiments/train.py --resume out_dir=runs/tiny num_steps=100   # ... for longer
     python experiments/train.py --config qwen3_14b --coordinator host0:1234 --num-processes 4 \
@@ -106,10 +108,12 @@ def main(argv=None) -> int:
   from experiments._cli import positive
   ap = argparse.ArgumentParser(description=__doc__, epilog=_epilog(),
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config", default="tiny", help="training preset (default: tiny; listed "
-                                                   "below)")
+  ap.add_argument("--config", default="tiny",
+                  help="training preset (listed below) or a YAML/JSON config file, e.g. a "
+                       "run's config.json; key=value overrides apply on top (default: tiny)")
   ap.add_argument("--list-keys", action="store_true",
-                  help="print every config key with its type and the preset's default, exit")
+                  help="print every config key with its type, the preset's (or file's) value "
+                       "and its meaning, exit (reference: docs/config.md)")
   ap.add_argument("--resume", action="store_true",
                   help="continue the run in out_dir from its newest intact checkpoint, with "
                        "its saved config")
