@@ -446,9 +446,13 @@ def _check_tools(cfg: TrainConfig) -> None:
                      "its turns as synchronous engine calls)")
 
 
+# Per-model memory knobs on top of _GPU: a smaller KV pool, so the step compiled on CPU for
+# 4 / 8 H200s (`--dry-run --compile`) fits with >= 5% headroom (BENCHMARKS.md, "Qwen3
+# presets compiled", 2026-12-05). Their largest program is the decode chunk, where XLA:CPU
+# also holds a float32 copy of the bf16 rollout weights (converts hoisted out of the decode
+# loop; a GPU multiplies in bf16): 16 GB on 4B, 33 GB on 8B.
 _GPU_MEMORY: dict[str, dict] = {"qwen3_4b": dict(kv_cache_fraction=0.75),
-                                "qwen3_8b": dict(num_slots=32),
-                                "qwen3_14b": dict(num_slots=16)}
+                                "qwen3_8b": dict(kv_cache_fraction=0.6)}
 
 PRESETS: dict[str, TrainConfig] = {
     # The embedded default: random-init tiny Qwen3 + byte tokenizer, a supervised warm start
