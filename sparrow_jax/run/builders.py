@@ -13,7 +13,6 @@ from typing import Any, Callable
 import numpy as np
 import optax
 
-from sparrow_jax.args import pow2_bucket
 from sparrow_jax.models.config import ModelConfig, get_config
 from sparrow_jax.models.decoder import Decoder, init_model
 from sparrow_jax.rl import data as data_lib
@@ -239,11 +238,6 @@ def _frac_zero_var(rewards, group_ids) -> float:
   for r, g in zip(np.asarray(rewards), group_ids):
     groups.setdefault(g, []).append(r)
   return float(np.mean([len(set(v)) == 1 for v in groups.values()])) if groups else 0.0
-
-
-def _bucket(n: int, minimum: int = 32) -> int:
-  """`args.pow2_bucket` with the SFT warm start's floor of 32 tokens (trainer.py's name)."""
-  return pow2_bucket(n, minimum)
 
 
 def make_optimizer(cfg: TrainConfig, lr: float | None = None, total_steps: int | None = None):

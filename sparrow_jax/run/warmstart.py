@@ -14,10 +14,11 @@ from flax import nnx
 from sparrow_jax.agents import build_registry, make_format
 from sparrow_jax.agents.loop import TextCodec
 from sparrow_jax.agents.tasks import demo_responses, encode_segments
+from sparrow_jax.args import pow2_bucket
 from sparrow_jax.rl.logprobs import token_logprobs
 from sparrow_jax.rl.tokenizers import ByteTokenizer
 from sparrow_jax.run import sharding as sh
-from sparrow_jax.run.builders import _bucket, encode_prompt
+from sparrow_jax.run.builders import encode_prompt
 from sparrow_jax.run.programs import guarded_apply
 
 
@@ -56,7 +57,7 @@ def warmstart(cfg, params, graphdef, mesh, param_shardings, pairs,
   policy keeps its layout (`param_shardings`): the RL programs compile once for it."""
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(cfg.warmstart_lr))
   opt, opt_shardings = init_opt(tx, params)
-  t = _bucket(max(len(x[0]) + len(x[1]) for x in pairs))
+  t = pow2_bucket(max(len(x[0]) + len(x[1]) for x in pairs), 32)
 
   def sft(params, opt_state, tokens, lengths, mask):
     def loss_fn(p):
