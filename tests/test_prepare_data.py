@@ -3,11 +3,11 @@ become prompt JSONL whose answers the project's reward path scores: a hand-writt
 response containing the right answer earns a nonzero reward (raw GSM8K answers earn 0)."""
 
 import json
+import types
 
 import pytest
 
 import experiments.prepare_data as prep
-from sparrow_jax.rl import verifier_pool
 from sparrow_jax.rl.data import load_prompts
 
 GSM8K = [
@@ -99,11 +99,12 @@ def test_bad_inputs_exit_2_naming_record_and_field(tmp_path, capsys):
 @pytest.mark.parametrize("reward", ["boxed_exact", "math_verify"])
 def test_smollm2_run_scores_prepared_data(tmp_path, reward):
   """A one-step SmolLM2 run's set-up on each prepared file (preflight: data, reward; the
-  real tokenizer; prompts within max_prompt_len), then a hand-written response decoded from
-  SmolLM2 tokens and scored by the run's verifier pool against each example's answer."""
+  real tokenizer; prompts within max_prompt_len), then a hand-written response as SmolLM2
+  tokens scored by the run's reward path (Producer.score) against the example's answer."""
   from sparrow_jax.models import load_tokenizer
   from sparrow_jax.run.builders import fit_prompts, preflight, smollm2_gguf_path
   from sparrow_jax.run.config import get_train_config
+  from sparrow_jax.run.producer import Producer
 
   gsm = _write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K)
   math = _write_jsonl(tmp_path / "math.jsonl", MATH)
@@ -121,10 +122,16 @@ def test_smollm2_run_scores_prepared_data(tmp_path, reward):
     checked = preflight(cfg)
     assert len(fit_prompts(tok, checked.examples, cfg)) == len(checked.examples)
     ex = checked.examples[0]
-    texts = [tok.decode(tok(t)["input_ids"], skip_special_tokens=True)
-             for t in (right[fmt], "I think it is \\boxed{13}.")]
-    with verifier_pool.RewardScorer(cfg.reward, timeout_s=30.0, num_workers=1) as scorer:
-      res = scorer(texts, [ex.answer, ex.answer])
-    assert res.rewards[0] > 0 and res.rewards[1] == 0, (fmt, ex.answer, texts, res.rewards)
+    # the run's reward path: Producer.score decodes the response tokens, pairs each with its
+    # prompt's answer and asks the run's verifier pool
+    producer = Producer(cfg.replace(reward_workers=1), tok, None, None)
+    comps = [types.SimpleNamespace(token_ids=tok(t)["input_ids"], request_id=(0, j),
+                                   loss_mask=None)
+             for j, t in enumerate((right[fmt], "I think it is \\boxed{13}."))]
+    try:
+      rewards, _ = producer.score([ex], comps)
+    finally:
+      producer.close()
+    assert rewards[0] > 0 and rewards[1] == 0, (fmt, ex.answer, rewards)
   if reward == "boxed_exact":  # what the issue saw: the raw GSM8K answer scores 0
     assert checked.reward_fn(right["gsm8k"], GSM8K[0]["answer"]) == 0.0
