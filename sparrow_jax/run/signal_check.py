@@ -28,8 +28,9 @@ class ZeroSignalCheck:
 
   Call `observe` once per step with that step's rewards `[B]` (grouped: `group_size`
   consecutive rollouts per prompt, or by `group_ids` when groups differ in size, e.g. after
-  ARRoL's pruning), the response texts and the expected answer of each rollout. It returns the warning line at step `first_k` when every rollout so far scored 0
-  or every group so far had zero variance, else None (and None for every later step).
+  ARRoL's pruning), the response texts and the expected answer of each rollout. It returns
+  the warning line at step `first_k` when every rollout so far scored 0 or every group so
+  far had zero variance, else None (and None for every later step).
   `zero_variance_groups` / `groups` count over every observed step.
   """
 
