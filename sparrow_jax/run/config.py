@@ -25,6 +25,22 @@ _ARROL_KEYS = {"mode": "arrol_mode", "keep_rate": "arrol_keep_rate", "target": "
                "steer": "arrol_steer"}
 
 
+# The keys that take one of a few values (checked by TrainConfig.__post_init__).
+_CHOICES = {"lr_schedule": ("constant", "cosine"), "landmark": ("mean", "quest"),
+            "landmark_dtype": ("float32", "bfloat16"),
+            "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                         "seq-mean-token-sum-norm"),
+            "kl_kind": ("k1", "k2", "k3", "low_var_kl"),
+            "distill_kind": ("k3", "reverse_kl_full"),
+            "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
+            "arith_template": ("boxed", "raw"),
+            "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
+                                  "pallas_tpu_interpret", "cpu"),
+            "cpu_decode_weights": ("", "float32", "bfloat16"),
+            "kv_cache_dtype": ("", "float32", "bfloat16"),
+            "page_scorer": ("auto", "xla")}
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
   # model
@@ -301,20 +317,7 @@ class TrainConfig:
                        f"{self.distill_pg_coef!r}: expected >= 0, at least one > 0")
     if not self.reward_timeout_s > 0:
       raise ValueError(f"reward_timeout_s={self.reward_timeout_s!r}: expected > 0 seconds")
-    choices = {"lr_schedule": ("constant", "cosine"), "landmark": ("mean", "quest"),
-               "landmark_dtype": ("float32", "bfloat16"),
-               "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                            "seq-mean-token-sum-norm"),
-               "kl_kind": ("k1", "k2", "k3", "low_var_kl"),
-               "distill_kind": ("k3", "reverse_kl_full"),
-               "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
-               "arith_template": ("boxed", "raw"),
-               "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
-                                     "pallas_tpu_interpret", "cpu"),
-               "cpu_decode_weights": ("", "float32", "bfloat16"),
-               "kv_cache_dtype": ("", "float32", "bfloat16"),
-               "page_scorer": ("auto", "xla")}
-    for f, ok in choices.items():
+    for f, ok in _CHOICES.items():
       if getattr(self, f) not in ok:
         raise ValueError(f"{f}={getattr(self, f)!r}: expected one of {ok}")
     if self.export_dtype not in (None, "float32", "bfloat16", "float16"):
