@@ -95,7 +95,7 @@ class ZeroSignalCheck:
     response, answer = self._example or ("", "")
     what = ("every rollout scored 0" if self._all_zero else
             "every group's rewards were equal (zero variance)")
-    return (f"warning: no learning signal: in the first {self._steps} steps (to step {step}) "
+    return (f"no learning signal: in the first {self._steps} steps (to step {step}) "
             f"{what} with reward={self.reward_name}, so every advantage is 0 and GRPO learns "
             f"nothing. One response: {_clip(response)!r}; expected answer it was compared "
             f"with: {_clip(answer)!r}. Check that the answer field holds the bare final answer "

@@ -16,7 +16,7 @@ def test_all_zero_warns_once_at_step_k():
   out = [check.observe(s, np.zeros(4), 2, TEXTS, [GSM8K_ANSWER] * 4) for s in (1, 2, 3, 4, 5)]
   assert out[0] is None and out[1] is None and out[3] is None and out[4] is None
   msg = out[2]
-  assert msg.startswith("warning: no learning signal: in the first 3 steps (to step 3) every "
+  assert msg.startswith("no learning signal: in the first 3 steps (to step 3) every "
                         "rollout scored 0 with reward=exact_match")
   assert "'The answer is \\\\boxed{72}.'" in msg  # the first non-empty response
   assert "48+24 = 72 altogether. #### 72'" in msg  # the expected answer, on one line
