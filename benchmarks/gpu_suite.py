@@ -1,9 +1,10 @@
 """One-shot GPU suite: kernel checks, bandwidths and the dense baseline, into one JSON file.
 
-    python benchmarks/gpu_suite.py --out gpu_suite.json              # one H200, < 10 minutes
+    python benchmarks/gpu_suite.py --out gpu_suite.json              # one H200, < 10 minutes, not j
     python benchmarks/gpu_suite.py --sections a,c --out part.json    # some sections only
     python benchmarks/gpu_suite.py --sections e --contexts 32768 --out e.json  # one context
     python benchmarks/gpu_suite.py --smoke --out /tmp/smoke.json     # CPU, interpret mode
+    python benchmarks/gpu_suite.py --sections j --step-lengths 8192 --budget-s 570 --out j.json
 
 Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
   a kernels_vs_reference  compiled sparse and dense kernels (and the dense XLA path) against
@@ -23,8 +24,10 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           ms and GB/s of the sequences' own K/V pages.
   e engine_decode         the generation engine's decode step, dense vs the published
                           `qwen3-1.7b-0.86` schedule, random-init Qwen3-1.7B (bf16, the
-                          preset's bf16 landmarks), batch 16, at 32K/16K/8K tokens held
-                          (contexts filled with random K/V and their landmarks instead of a
+                          preset's bf16 landmarks, the page-score kernel), at 32K/16K/8K
+                          tokens held, as many sequences as the qwen3_1p7b preset's KV pool
+                          holds at each (`--engine-batch`; 16 in runs 1-6 of 2026-12-04;
+                          contexts filled with random K/V and their landmarks instead of a
                           prefill): ms/step, tokens/s, speedup.
   f readmission_agreement the same requests (temperature 1) through a pool that forces
                           preemptions and one that fits everyone, dense and block-sparse on
@@ -42,8 +45,20 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           rollout tokens/s, compilations, the final checkpoint.
   i engine_profile        section e's engines (sparse, then dense) at its first context under
                           the profiler: device time per decode step by kernel, from the
-                          perfetto trace, beside the step's wall time.
-Sections g and h run their jobs in their own processes and go first (this process does not
+                          perfetto trace, beside the step's wall time; the page-score
+                          kernel's time and share of the busiest stream.
+  j step_dense_vs_sparse  Sparrow's Table 2 on this trainer: `Trainer(cfg).train_step()` of
+                          the qwen3_1p7b preset (random weights written as an HF directory),
+                          dense then the published schedule (bf16 landmarks, page-score
+                          kernel) in one job process, 512-token prompts, responses forced to
+                          8K then 16K tokens (`ignore_eos=true`), as many rollouts as the
+                          memory plan's pool holds at once; one warm-up step then timed
+                          steps: phase times, rollout tokens/s, sparse over dense for the
+                          rollout and the step, beside the paper's figures. 16K only if 8K
+                          finished and its wall time, scaled, fits what is left of the guard.
+                          On a GPU it needs a call of its own (`--sections j`; one 8K step
+                          of each engine takes minutes): a full run's default leaves it out.
+Sections g, h and j run their jobs in their own processes and go first (this process does not
 preallocate GPU memory, so those jobs get the device); then a-e, i and f (f last: the time
 guard of a full run cuts it first).
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
@@ -58,8 +73,8 @@ on a check mismatch, "error" with the traceback), wall seconds and its numbers. 
 after every section, so a run cut short keeps what it measured. Exit status: 0 when no section
 failed or errored, 1 otherwise, 2 for bad arguments.
 
-`--smoke` runs every section at tiny shapes on CPU with the kernels in interpret mode (seconds):
-the CI check that the suite itself works. The full run needs a GPU.
+`--smoke` runs every section at tiny shapes on CPU with the kernels in interpret mode (minutes:
+mostly compilation): the CI check that the suite itself works. The full run needs a GPU.
 """
 
 from __future__ import annotations
@@ -71,6 +86,7 @@ import functools
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import re
@@ -135,12 +151,13 @@ SMOKE = Sizes(  # every code path once, at the smallest shapes the kernels accep
     jax_paged=dict(k_splits=2, pages_per_compute_block=1))
 
 
-# Section e: the engine on a random-init model. The full run uses Qwen3-1.7B at a batch whose
-# 32K-token contexts fit one H200 beside the weights (16 x 32K x 112 KB/token = 60 GB per
-# engine; the dense and sparse engines are built one after the other). Longest context first:
-# each context compiles its own decode programs, and a run the time guard cuts short should
-# still have the one where sparsity matters most.
-FULL_ENGINE = dict(model="qwen3_1p7b", overrides={}, batch=16, chunk=8,
+# Section e: the engine on a random-init model. The full run uses Qwen3-1.7B at the batch the
+# qwen3_1p7b preset's KV pool holds at each context ("pool": ~20 sequences of 32K on an H200,
+# the preset's 64 slots at 8K; the dense and sparse engines are built one after the other;
+# runs 1-6 of 2026-12-04 used 16, `--engine-batch 16`). Longest context first: each context
+# compiles its own decode programs, and a run the time guard cuts short should still have the
+# one where sparsity matters most.
+FULL_ENGINE = dict(model="qwen3_1p7b", overrides={}, batch="pool", chunk=8,
                    contexts=(32768, 16384, 8192))  # 8K measured on 2026-12-04: last
 # Section f: requests, prompt / generated tokens, slots and the preempting pool (in sequences
 # of the longest request it holds at once).
@@ -164,7 +181,7 @@ class Run:
   built inputs / measured copy bandwidth."""
 
   def __init__(self, sizes: Sizes, smoke: bool, budget_s: float, *, backend=None,
-               engine: dict | None = None):
+               engine: dict | None = None, step: dict | None = None):
     self.sizes = sizes
     self.smoke = smoke
     if backend is None:
@@ -176,6 +193,21 @@ class Run:
     self.skipped: list[str] = []
     self.cache: dict = {}
     self.engine = engine if engine is not None else (SMOKE_ENGINE if smoke else FULL_ENGINE)
+    self.step = step if step is not None else (SMOKE_STEP if smoke else FULL_STEP)
+    self._tmp: str | None = None
+
+  def tmp_dir(self) -> str:
+    """A directory that lives as long as the run (shared files: the random checkpoints)."""
+    if self._tmp is None:
+      import tempfile
+      self._tmp = tempfile.mkdtemp(prefix="gpu_suite_")
+    return self._tmp
+
+  def close(self):
+    if self._tmp is not None:
+      import shutil
+      shutil.rmtree(self._tmp, ignore_errors=True)
+      self._tmp = None
 
   def start_section(self, budget_s: float):
     self.deadline = min(time.monotonic() + budget_s, self.total_deadline)
@@ -210,15 +242,19 @@ class Section:
   # Runs a job in its own process: such sections go first, while this process holds
   # (almost) no device memory.
   own_process: bool = False
+  # Needs a call of its own on the device (longer than the whole run's guard): left out of a
+  # full run's default sections (the smoke run has them all).
+  own_call: bool = False
 
 
 SECTIONS: dict[str, Section] = {}
 
 
-def section(letter: str, name: str, budget_s: float, own_process: bool = False):
+def section(letter: str, name: str, budget_s: float, own_process: bool = False,
+            own_call: bool = False):
   """Registers a section; its function takes the Run and returns a JSON-able dict."""
   def register(fn):
-    SECTIONS[letter] = Section(letter, name, budget_s, fn, own_process)
+    SECTIONS[letter] = Section(letter, name, budget_s, fn, own_process, own_call)
     return fn
   return register
 
@@ -573,14 +609,40 @@ def _engine_parts(run: Run, max_position: int):
   return mcfg, init_model(mcfg), sched_, attn_lib.Dense(backend=backend), sparse
 
 
-def _engine_config(run: Run, context: int, chunks: int, page_size: int):
-  """The engine of sections e and i: `run.engine`'s slots, room for `context` tokens plus
-  `chunks` + 2 decode chunks."""
+def _engine_config(run: Run, context: int, chunks: int, page_size: int, batch: int):
+  """The engine of sections e and i: `batch` slots, room for `context` tokens plus `chunks`
+  + 2 decode chunks."""
   from sparrow_jax.engine.engine import EngineConfig
 
   z = run.engine
-  return EngineConfig(num_slots=z["batch"], max_seq_len=context + z["chunk"] * (chunks + 2)
-                      + page_size, page_size=page_size, decode_chunk=z["chunk"])
+  return EngineConfig(num_slots=batch, max_seq_len=_engine_seq_len(run, context, chunks,
+                                                                   page_size),
+                      page_size=page_size, decode_chunk=z["chunk"])
+
+
+def _engine_seq_len(run: Run, context: int, chunks: int, page_size: int) -> int:
+  return context + run.engine["chunk"] * (chunks + 2) + page_size
+
+
+def engine_batch(run: Run, context: int, chunks: int, page_size: int,
+                 device_bytes: float | None = None) -> int:
+  """Sequences of sections e and i at `context` tokens: `run.engine["batch"]`, or with
+  "pool" as many as the KV pool of the model's training preset holds (the pool the trainer's
+  memory plan gives its engine on this device, or on `device_bytes` per device), capped at
+  the preset's slots."""
+  z = run.engine
+  if z["batch"] != "pool":
+    return int(z["batch"])
+  from sparrow_jax.run.config import PRESETS
+  from sparrow_jax.run.dry_run import memory_plan
+  from sparrow_jax.run.memory import device_memory_bytes
+
+  cfg = PRESETS[z["model"]]
+  dev = jax.devices()[0]
+  plan = memory_plan(cfg, 1, device_bytes=device_bytes or device_memory_bytes(
+      dev, cfg.device_memory_gb * 1e9)[0])
+  per_seq = -(-_engine_seq_len(run, context, chunks, page_size) // page_size)
+  return max(1, min(cfg.num_slots, (plan.kv_pool_pages - 1) // per_seq))  # less the null page
 
 
 def decode_step_ms(run: Run, engine, state, steps: int) -> float:
@@ -612,7 +674,8 @@ def engine_decode(run: Run) -> dict:
     if not run.has_time(f"context {ctx}"):
       continue
     steps = z["chunk"]
-    ecfg = _engine_config(run, ctx, run.sizes.repeats, sched_.page_size)
+    batch = engine_batch(run, ctx, run.sizes.repeats, sched_.page_size)
+    ecfg = _engine_config(run, ctx, run.sizes.repeats, sched_.page_size, batch)
     out, errors = {}, {}
     engines = [("dense", dense_att, None), ("sparse", sparse_att, sched_)]
     if ctx == z["contexts"][0] and dispatch.page_scorer(run.backend) != "xla":
@@ -623,7 +686,7 @@ def engine_decode(run: Run) -> dict:
       eng = sched = None
       try:
         eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
-        sched = fill_random_context(eng, z["batch"], ctx)
+        sched = fill_random_context(eng, batch, ctx)
         out[name] = decode_step_ms(run, eng, sched, steps)
         print(f"[e] {ctx} {name}: {out[name]:.3f} ms/step", flush=True)
       except jax.errors.JaxRuntimeError as e:  # e.g. out of memory at one context: the
@@ -632,13 +695,13 @@ def engine_decode(run: Run) -> dict:
       gc.collect()
     budget = int(budget_pages(sched_, ctx))
     if errors:
-      rows.append(dict(context=ctx, batch=z["batch"], budget_pages=budget, errors=errors,
+      rows.append(dict(context=ctx, batch=batch, budget_pages=budget, errors=errors,
                        **{f"{k}_ms": v for k, v in out.items()}))
       continue
-    row = dict(context=ctx, batch=z["batch"], budget_pages=budget,
+    row = dict(context=ctx, batch=batch, budget_pages=budget,
                dense_ms=out["dense"], sparse_ms=out["sparse"],
-               dense_tok_s=z["batch"] * 1e3 / out["dense"],
-               sparse_tok_s=z["batch"] * 1e3 / out["sparse"],
+               dense_tok_s=batch * 1e3 / out["dense"],
+               sparse_tok_s=batch * 1e3 / out["sparse"],
                speedup=out["dense"] / out["sparse"])
     if "sparse_xla_scores" in out:
       row.update(sparse_xla_scores_ms=out["sparse_xla_scores"],
@@ -710,6 +773,18 @@ def trace_summary(trace_dir: str, steps: int, top: int = 30) -> dict:
   return out
 
 
+def page_scoring_share(threads: dict) -> dict:
+  """The page-score kernel's device time per step (kernels named `page_scores`) and its share
+  of the busiest device thread's time (the GPU stream; on CPU the interpreter's ops carry no
+  such name and the share is 0)."""
+  if not threads:
+    return dict(page_scores_us_per_step=0.0, page_scoring_share=0.0)
+  busiest = max(threads.values(), key=lambda t: t["busy_us_per_step"])
+  us = float(sum(g["us_per_step"] for g in busiest["groups"] if "page_scores" in g["group"]))
+  return dict(page_scores_us_per_step=us,
+              page_scoring_share=us / busiest["busy_us_per_step"] if us else 0.0)
+
+
 def kernel_group(name: str) -> str:
   """A kernel's name without XLA's numbering: `sort_57_1` -> `sort`, `gemm_fusion_dot_111` ->
   `gemm_fusion_dot`, `loop_select_fusion_2` -> `loop_select_fusion` (unrolled layers give
@@ -731,14 +806,15 @@ def engine_profile(run: Run) -> dict:
   ctx, steps, chunks = z["contexts"][0], z["chunk"], 3
   # section e's engines (the same static max budget: contexts + 1024 positions)
   mcfg, model, sched_, dense_att, sparse_att = _engine_parts(run, max(z["contexts"]) + 1024)
-  ecfg = _engine_config(run, ctx, chunks, sched_.page_size)
+  batch = engine_batch(run, ctx, chunks, sched_.page_size)
+  ecfg = _engine_config(run, ctx, chunks, sched_.page_size, batch)
   result = dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name, context=ctx,
-                batch=z["batch"], steps=steps * chunks, landmark_dtype=sparse_att.landmark_dtype)
+                batch=batch, steps=steps * chunks, landmark_dtype=sparse_att.landmark_dtype)
   for name, att, sch in (("sparse", sparse_att, sched_), ("dense", dense_att, None)):
     if not run.has_time(name):
       continue
     eng = GenerationEngine(model, ecfg, attention=att, schedule=sch)
-    state = fill_random_context(eng, z["batch"], ctx)
+    state = fill_random_context(eng, batch, ctx)
     eng._decode_chunk(state, state.sched.grow())  # compile
     jax.block_until_ready(eng._kv.k[0])
     with tempfile.TemporaryDirectory() as tmp:
@@ -748,8 +824,9 @@ def engine_profile(run: Run) -> dict:
           eng._decode_chunk(state, state.sched.grow())
         jax.block_until_ready(eng._kv.k[0])
       wall = time.perf_counter() - t0
+      threads = trace_summary(tmp, steps * chunks)
       result[name] = dict(wall_ms_per_step_profiled=1e3 * wall / (steps * chunks),
-                          threads=trace_summary(tmp, steps * chunks))
+                          threads=threads, **page_scoring_share(threads))
     print(f"[i] {ctx} {name}: profiled", flush=True)
     del eng, state
     gc.collect()
@@ -912,15 +989,17 @@ PRESET_STEP_FULL = dict(preset="qwen3_1p7b", args=(
 PRESET_STEP_SMOKE = dict(preset="tiny", args=("num_steps=1", "warmstart_steps=0"))
 
 _WRITE_RANDOM_CHECKPOINT = """
+import json
 import sys
 from sparrow_jax.models.checkpoints import save_pretrained
 from sparrow_jax.models.checkpoints.byte_tokenizer import ByteTokenizer
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import init_model
 name, path = sys.argv[1:3]
+overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
 tok = ByteTokenizer()
 cfg = get_config(name, dtype="bfloat16", param_dtype="bfloat16", bos_token_id=tok.bos_token_id,
-                 eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+                 eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id, **overrides)
 assert tok.vocab_size <= cfg.vocab_size
 save_pretrained(init_model(cfg, seed=0), path, tokenizer=tok)
 """
@@ -930,6 +1009,22 @@ _STEP_KEYS = ("time/step_s", "time/compile_s", "time/rollout_s", "time/recompute
               "rollout/preemptions", "rollout/pool_high_water_frac", "response/len_mean",
               "batch/micro_batches", "compilations", "mismatch/p5_overall", "loss/total",
               "grad_norm")
+
+
+def random_checkpoint(run: Run, model: str, overrides: dict | None = None) -> tuple[str, float]:
+  """(path, seconds it took to write) of an HF directory with random weights of `model`
+  (`ModelConfig` overrides applied), written once per run on the host CPU (this process and
+  the jobs keep the device to themselves) and shared by the sections that train it."""
+  overrides = overrides or {}
+  key = ("checkpoint", model, json.dumps(overrides, sort_keys=True))
+  if key not in run.cache:
+    path = os.path.join(run.tmp_dir(), f"model_{len(run.cache)}")
+    _, write_s = _run_job(run, "writing the random checkpoint",
+                          ["-c", _WRITE_RANDOM_CHECKPOINT, model, path, json.dumps(overrides)],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    run.cache[key] = (path, write_s)
+    return path, write_s
+  return run.cache[key][0], 0.0  # written by an earlier section
 
 
 @section("h", "preset_step", budget_s=300, own_process=True)
@@ -942,12 +1037,8 @@ def preset_step(run: Run) -> dict:
   import tempfile
 
   z = PRESET_STEP_SMOKE if run.smoke else PRESET_STEP_FULL
+  ckpt, write_s = random_checkpoint(run, z["preset"])
   with tempfile.TemporaryDirectory() as tmp:
-    ckpt = os.path.join(tmp, "model")
-    # written on the host CPU: this process and the job below keep the device to themselves
-    _, write_s = _run_job(run, "writing the random checkpoint",
-                          ["-c", _WRITE_RANDOM_CHECKPOINT, z["preset"], ckpt],
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
     out = os.path.join(tmp, "run")
     args = (f"--config {z['preset']}", *z["args"])
     try:
@@ -961,6 +1052,244 @@ def preset_step(run: Run) -> dict:
   return dict(command="python experiments/train.py " + " ".join(args)
               + " model_path=<random weights>", checkpoint_write_s=round(write_s, 2),
               wall_s=round(wall, 2), summary=summary, checkpoints=saved, steps=steps)
+
+
+# Section j: Sparrow's Table 2 on this trainer: whole GRPO steps of a GPU preset, dense against
+# the published schedule (the preset's bf16 landmarks, the page-score kernel), both in one
+# process, at response lengths where sparsity pays. Responses are forced to `length` tokens
+# (`ignore_eos=true`: random weights would otherwise stop anywhere), prompts are `prompt_len`
+# tokens of text, and the batch is what the memory plan's KV pool holds at the longest
+# sequence (a multiple of the group size and of the preset's mini-batch), so the rollout runs
+# every sequence at once. `warmup_steps` steps (compilation) then `timed_steps` steps per
+# engine; a longer length is measured only if the one before it finished, and only when the
+# time left allows it (the shorter length's wall time, scaled by the length).
+FULL_STEP = dict(preset="qwen3_1p7b", model="qwen3_1p7b", model_overrides={},
+                 lengths=(8192, 16384), prompt_len=512, batch=0, warmup_steps=1,
+                 timed_steps=1, sparse=("schedule=qwen3-1.7b-0.86", "landmark_dtype=bfloat16",
+                                        "page_scorer=auto"), overrides=())
+# Smoke: the tiny model with 3 layers (the schedule's 2 dense + 1 sparse), pages of 16 tokens
+# (the published schedule's), DistillSparse off as on the GPU presets.
+SMOKE_STEP = dict(preset="tiny", model="tiny", model_overrides=dict(num_layers=3),
+                  lengths=(8, 16), prompt_len=24, batch=8, warmup_steps=1, timed_steps=1,
+                  sparse=FULL_STEP["sparse"],
+                  overrides=("page_size=16", "dense_layers=", "distill=false", "group_size=4",
+                             "warmstart_steps=0", "num_slots=8"))
+# Sparrow's Table 2 (4x H200, tau = 0.86): sparse over dense for the rollout and the whole step,
+# and the release's tokens/s for Qwen3-1.7B.
+PAPER_TABLE2 = {"qwen3_1p7b": dict(rollout_speedup=2.21, step_speedup=1.97,
+                                   rollout_tokens_per_s_dense=2561,
+                                   rollout_tokens_per_s_sparse=5662),
+                "qwen3_4b": dict(rollout_speedup=2.41, step_speedup=2.11),
+                "qwen3_8b": dict(rollout_speedup=2.06, step_speedup=1.81)}
+
+_STEP_JOB = """
+import os
+import sys
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # as train.py: the plan's 90%
+sys.path.insert(0, sys.argv[1])
+import gpu_suite
+sys.exit(gpu_suite.step_job(sys.argv[2], sys.argv[3]))
+"""
+
+
+@section("j", "step_dense_vs_sparse", budget_s=570, own_process=True, own_call=True)
+def step_dense_vs_sparse(run: Run) -> dict:
+  """Whole GRPO steps of `run.step`'s preset, dense and sparse in one job process
+  (`step_job`): per length the phase times of each, rollout tokens/s, and sparse over dense
+  for the rollout and the step, beside Sparrow's Table 2. A job cut short by the guard keeps
+  the lengths it finished (status "partial")."""
+  import tempfile
+
+  z = run.step
+  ckpt, write_s = random_checkpoint(run, z["model"], z["model_overrides"])
+  tmp = tempfile.mkdtemp(dir=run.tmp_dir(), prefix="step_")
+  spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+  # the job's own guard ends 20 s before the section's, which kills the job
+  spec = dict(z, model_path=ckpt, tmp=tmp,
+              time_s=max(run.deadline - time.monotonic() - 20.0, 1.0))
+  _write(spec_path, spec)
+  try:
+    _run_job(run, "the step job", ["-c", _STEP_JOB, os.path.dirname(os.path.abspath(__file__)),
+                                   spec_path, out_path])
+    error = None
+  except CheckFailed as e:
+    error = str(e)
+  result = {}
+  if os.path.exists(out_path):  # what the job wrote, finished or not
+    with open(out_path) as f:
+      result = json.load(f)
+  done = [r for r in result.get("lengths", []) if "step_speedup" in r]
+  if error is not None:
+    if not done:
+      raise CheckFailed(f"{error}\njob output so far: {json.dumps(result)[-3000:]}")
+    run.skipped.append(f"the job stopped: {error[:500]}")
+  run.skipped.extend(result.get("skipped", []))
+  unforced = [r["length"] for r in done if not r["forced_length"]]
+  if unforced:  # the two engines did not generate the same tokens: no comparison
+    raise CheckFailed(f"responses not forced to lengths {unforced} (rollout/tokens != batch x "
+                      f"length): {json.dumps(result)[-3000:]}")
+  return dict(result, checkpoint_write_s=round(write_s, 2),
+              paper_table2=PAPER_TABLE2.get(z["model"]))
+
+
+def _step_config(spec: dict, length: int, mode: str, batch: int | None = None,
+                 mini_batch: int | None = None):
+  """The TrainConfig of one engine of the step job at response `length` (`mode` "dense" or
+  "sparse"); `batch` rollouts per step (None: the preset's)."""
+  from sparrow_jax.run.config import get_train_config
+
+  tmp = spec["tmp"]
+  args = [f"model_path={spec['model_path']}", f"data={os.path.join(tmp, 'prompts.jsonl')}",
+          "reward=exact_match", f"max_prompt_len={spec['prompt_len']}",
+          f"max_new_tokens={length}", "ignore_eos=true",
+          f"num_steps={spec['warmup_steps'] + spec['timed_steps']}",
+          f"out_dir={os.path.join(tmp, f'{mode}_{length}')}", "tensorboard=false", "logger=none",
+          "sample_every=0", f"compile_cache_dir={os.path.join(tmp, 'compile_cache')}",
+          *spec["overrides"]]
+  args += ["schedule=dense"] if mode == "dense" else list(spec["sparse"])
+  cfg = get_train_config(spec["preset"], args)
+  if batch is not None:
+    # every sequence in a slot of its own: the rollout runs the whole batch at once
+    cfg = cfg.replace(prompts_per_step=batch // cfg.group_size,
+                      num_slots=-(-batch // jax.device_count()), mini_batch_size=mini_batch)
+  return cfg
+
+
+def pool_batch(cfg, device_bytes: float | None = None) -> tuple[int, dict]:
+  """Rollouts per step that the memory plan's KV pool holds at once at `cfg`'s longest
+  sequence, over this machine's devices, as a multiple of the group size and of the
+  mini-batch (or the group size alone, one update, when the mini-batch does not fit);
+  returns (batch, what the plan said). `device_bytes`: plan for this much memory per device
+  instead of this machine's (as the trainer does: its allocator's limit)."""
+  from sparrow_jax.run.builders import model_config
+  from sparrow_jax.run.dry_run import plan_for_model
+  from sparrow_jax.run.memory import device_memory_bytes
+
+  dev, n = jax.devices()[0], jax.device_count()
+  mcfg = model_config(cfg)
+  nbytes = device_bytes or device_memory_bytes(dev, cfg.device_memory_gb * 1e9)[0]
+  slots = cfg.num_slots
+  for _ in range(8):  # the plan caps what it holds at its slots: more slots until it is not
+    plan = plan_for_model(cfg.replace(num_slots=slots), mcfg, n, device_bytes=nbytes,
+                          activation_dtype="float32" if dev.platform == "cpu" else None)
+    if plan.concurrency["at_max"] < slots:
+      break
+    slots *= 2
+  held = plan.concurrency["at_max"] * n
+  unit = math.lcm(cfg.group_size, cfg.mini_batch_size) if cfg.mini_batch_size else \
+      cfg.group_size
+  if held < unit:
+    unit = cfg.group_size
+  return held // unit * unit, dict(kv_pool_pages=plan.kv_pool_pages,
+                                   sequences_held=held, kv_pool_gb=plan.kv_cache_bytes / 1e9)
+
+
+def _write_prompts(path: str, prompt_len: int, count: int):
+  """`count` prompts of `prompt_len` - 4 characters (byte tokenizer: a token each, plus bos)."""
+  with open(path, "w") as f:
+    for i in range(count):
+      text = f"Problem {i}: add the numbers below and give the sum in a box. "
+      text += " + ".join(str(7 * i + j) for j in range(prompt_len))
+      f.write(json.dumps(dict(prompt=text[:prompt_len - 4], answer="0")) + "\n")
+
+
+def _steps_of(cfg, steps: int) -> list[dict]:
+  """`steps` train steps of a fresh `Trainer(cfg)` through its public API: their metrics."""
+  from sparrow_jax.run.trainer import Trainer
+
+  tr = Trainer(cfg, quiet=True)
+  try:
+    out = []
+    for _ in range(steps):
+      m = tr.train_step()
+      out.append({k: float(m[k]) for k in _STEP_KEYS if m.get(k) is not None})
+      print(f"[j] {cfg.schedule} {cfg.max_new_tokens}: step {len(out)} "
+            f"{out[-1].get('time/step_s', 0):.2f} s", flush=True)
+    return out
+  finally:
+    tr.close()
+    del tr
+    gc.collect()
+
+
+def _engine_summary(steps: list[dict], warmup: int) -> dict:
+  """Medians over the timed steps (after `warmup`) of the phase times; rollout tokens/s as
+  tokens over rollout seconds."""
+  timed = steps[warmup:]
+  med = lambda k: statistics.median(s.get(k, 0.0) for s in timed)
+  out = dict(step_s=med("time/step_s"), rollout_s=med("time/rollout_s"),
+             recompute_s=med("time/recompute_s"), update_s=med("time/update_s"),
+             compile_s=med("time/compile_s"), rollout_tokens=med("rollout/tokens"))
+  out["rollout_tokens_per_s"] = out["rollout_tokens"] / out["rollout_s"]
+  return dict(out, steps=steps)
+
+
+def step_job(spec_path: str, out_path: str) -> int:
+  """Section j's measurement, in a process of its own (the trainers own the device): per
+  length, a trainer with the dense schedule then one with the sparse, `warmup_steps` +
+  `timed_steps` steps each; writes `out_path` after every engine (a job killed by the
+  section's guard keeps what it finished)."""
+  with open(spec_path) as f:
+    spec = json.load(f)
+  deadline = time.monotonic() + spec["time_s"]
+  result = dict(preset=spec["preset"], prompt_len=spec["prompt_len"],
+                warmup_steps=spec["warmup_steps"], timed_steps=spec["timed_steps"],
+                sparse=list(spec["sparse"]), lengths=[], skipped=[])
+  _write(out_path, result)
+  prev = None  # (length, wall s) of the last length measured
+  for i, length in enumerate(spec["lengths"]):
+    left = deadline - time.monotonic()
+    need = prev[1] * length / prev[0] if prev else 0.0
+    if left <= 0 or need > left:
+      result["skipped"].extend(
+          f"length {n}: ~{need:.0f} s needed, {left:.0f} s left" if n == length else
+          f"length {n}: after {length}" for n in spec["lengths"][i:])
+      break
+    t0 = time.monotonic()
+    base = _step_config(spec, length, "sparse")
+    if spec["batch"]:
+      batch, pool = spec["batch"], None
+    else:
+      batch, pool = pool_batch(base)
+    mini = base.mini_batch_size if base.mini_batch_size and batch % base.mini_batch_size == 0 \
+        else 0
+    _write_prompts(os.path.join(spec["tmp"], "prompts.jsonl"), spec["prompt_len"],
+                   4 * max(batch // base.group_size, 1))
+    row = dict(length=length, batch=batch, group_size=base.group_size,
+               mini_batch_size=mini, pool=pool)
+    result["lengths"].append(row)
+    _write(out_path, result)
+    if batch < base.group_size:
+      result["skipped"].append(f"length {length}: the pool holds {batch} sequences, under "
+                               f"one group of {base.group_size}")
+      break
+    for mode in ("dense", "sparse"):
+      if time.monotonic() >= deadline:
+        result["skipped"].append(f"length {length} {mode}: time guard")
+        break
+      cfg = _step_config(spec, length, mode, batch, mini)
+      row[mode] = _engine_summary(_steps_of(cfg, spec["warmup_steps"] + spec["timed_steps"]),
+                                  spec["warmup_steps"])
+      # what the closed trainer left allocated (the next one plans with the whole device)
+      stats = jax.devices()[0].memory_stats() or {}
+      row[mode]["device_bytes_in_use_after"] = stats.get("bytes_in_use")
+      _write(out_path, result)
+    if "sparse" not in row:
+      result["skipped"].extend(f"length {n}: after {length}" for n in spec["lengths"][i + 1:])
+      break
+    d, s = row["dense"], row["sparse"]
+    row.update(step_dense_s=d["step_s"], step_sparse_s=s["step_s"],
+               rollout_dense_s=d["rollout_s"], rollout_sparse_s=s["rollout_s"],
+               rollout_tokens_per_s_dense=d["rollout_tokens_per_s"],
+               rollout_tokens_per_s_sparse=s["rollout_tokens_per_s"],
+               rollout_speedup=d["rollout_s"] / s["rollout_s"],
+               step_speedup=d["step_s"] / s["step_s"],
+               forced_length=all(st.get("rollout/tokens") == batch * length
+                                 for st in d["steps"] + s["steps"]),
+               wall_s=round(time.monotonic() - t0, 2))
+    _write(out_path, result)
+    prev = (length, time.monotonic() - t0)
+  return 0
 
 
 def _bench_shape(run: Run) -> dict:
@@ -1027,6 +1356,8 @@ class Suite:
   backend: object
   smoke_backend: object
   doc: str
+  full_step: dict = dataclasses.field(default_factory=lambda: FULL_STEP)
+  smoke_step: dict = dataclasses.field(default_factory=lambda: SMOKE_STEP)
 
 
 def gpu_suite() -> Suite:
@@ -1041,15 +1372,26 @@ def main(argv=None, suite: Suite | None = None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   ap = argparse.ArgumentParser(description=suite.doc.split("\n")[0])
   ap.add_argument("--out", required=True, help="JSON file to write")
-  ap.add_argument("--sections", default=",".join(suite.sections),
-                  help="comma-separated section letters or names (default: all)")
+  ap.add_argument("--sections", default=None,
+                  help="comma-separated section letters or names (default: all; without "
+                       "--smoke all but those that need a call of their own, j)")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes on CPU, kernels in interpret mode")
-  ap.add_argument("--budget-s", type=float, default=540.0,
-                  help="time guard of the whole run in seconds (default 540)")
+  ap.add_argument("--budget-s", type=float, default=None,
+                  help="time guard of the whole run in seconds (default 540; --smoke 3600: "
+                       "the CPU's compilations take minutes under load)")
   ap.add_argument("--contexts", default=None,
                   help="section e's contexts in tokens, comma-separated, measured in this order "
                        "(default: the suite's, longest first)")
+  ap.add_argument("--engine-batch", default=None,
+                  help="sections e and i's sequences: a number, or 'pool' (what the model's "
+                       "training preset's KV pool holds at each context; the full default)")
+  ap.add_argument("--step-lengths", default=None,
+                  help="section j's response lengths in tokens, comma-separated, measured in "
+                       "this order (default: the suite's, shortest first)")
+  ap.add_argument("--step-batch", type=int, default=None,
+                  help="section j's rollouts per step (default: what the memory plan's KV "
+                       "pool holds at the longest sequence)")
   args = ap.parse_args(argv)
   # Before jax starts a backend: this process allocates what it uses instead of 75% of the
   # GPU up front, so the jobs of the own-process sections get the device's memory; and it may
@@ -1059,6 +1401,9 @@ def main(argv=None, suite: Suite | None = None) -> int:
     if name not in os.environ:
       os.environ[name] = value
       _SET_ENV.append(name)
+  if args.sections is None:
+    args.sections = ",".join(s.letter for s in suite.sections.values()
+                             if args.smoke or not s.own_call)
   try:
     chosen = parse_sections(args.sections, suite.sections)
   except ValueError as e:
@@ -1069,6 +1414,8 @@ def main(argv=None, suite: Suite | None = None) -> int:
     print(f"{suite.name}: --out={args.out!r}: directory {out_dir} does not exist",
           file=sys.stderr)
     return 2
+  if args.budget_s is None:
+    args.budget_s = 3600.0 if args.smoke else 540.0
   if not args.budget_s > 0:
     print(f"{suite.name}: --budget-s={args.budget_s}: expected > 0", file=sys.stderr)
     return 2
@@ -1083,6 +1430,31 @@ def main(argv=None, suite: Suite | None = None) -> int:
             "comma-separated", file=sys.stderr)
       return 2
     engine = dict(engine, contexts=contexts)
+  if args.engine_batch is not None:
+    if args.engine_batch != "pool" and not (args.engine_batch.isdigit()
+                                            and int(args.engine_batch) > 0):
+      print(f"{suite.name}: --engine-batch={args.engine_batch!r}: expected a positive number "
+            "of sequences or 'pool'", file=sys.stderr)
+      return 2
+    engine = dict(engine, batch=(args.engine_batch if args.engine_batch == "pool"
+                                 else int(args.engine_batch)))
+  step = suite.smoke_step if args.smoke else suite.full_step
+  if args.step_lengths is not None:
+    try:
+      lengths = tuple(int(c) for c in args.step_lengths.split(","))
+      if not lengths or min(lengths) <= 0:
+        raise ValueError
+    except ValueError:
+      print(f"{suite.name}: --step-lengths={args.step_lengths!r}: expected positive token "
+            "counts, comma-separated", file=sys.stderr)
+      return 2
+    step = dict(step, lengths=lengths)
+  if args.step_batch is not None:
+    if args.step_batch < 1:
+      print(f"{suite.name}: --step-batch={args.step_batch}: expected a positive number of "
+            "rollouts", file=sys.stderr)
+      return 2
+    step = dict(step, batch=args.step_batch)
   if not args.smoke and jax.default_backend() != suite.platform:
     print(f"{suite.name}: the full suite needs a {suite.platform.upper()} (jax backend is "
           f"{jax.default_backend()!r}); use --smoke on CPU", file=sys.stderr)
@@ -1092,10 +1464,21 @@ def main(argv=None, suite: Suite | None = None) -> int:
   chosen = sorted(chosen, key=lambda sec: not sec.own_process)
   run = Run(suite.smoke if args.smoke else suite.full, args.smoke, args.budget_s,
             backend=suite.smoke_backend if args.smoke else suite.backend,
-            engine=engine)
+            engine=engine, step=step)
   record = dict(meta=meta(argv), smoke=args.smoke, sections={})
   _write(args.out, record)
   t_start = time.monotonic()
+  try:
+    _run_sections(run, chosen, record, args.out, t_start)
+  finally:
+    run.close()
+  print(f"wrote {args.out}")
+  return 1 if any(e["status"] in ("failed", "error")
+                  for e in record["sections"].values()) else 0
+
+
+def _run_sections(run: Run, chosen: list, record: dict, out: str, t_start: float):
+  """Every chosen section in turn inside its guard; `record` rewritten to `out` after each."""
   for sec in chosen:
     key = f"{sec.letter}_{sec.name}"
     run.start_section(sec.budget_s)
@@ -1118,13 +1501,10 @@ def main(argv=None, suite: Suite | None = None) -> int:
     entry["wall_s"] = round(time.monotonic() - t0, 2)
     record["sections"][key] = entry
     record["wall_s"] = round(time.monotonic() - t_start, 2)
-    _write(args.out, record)
+    _write(out, record)
     print(f"[{sec.letter}] {sec.name}: {entry['status']} ({entry['wall_s']} s)", flush=True)
     if entry["status"] in ("failed", "error"):
       print(entry["error"], file=sys.stderr)
-  print(f"wrote {args.out}")
-  return 1 if any(e["status"] in ("failed", "error")
-                  for e in record["sections"].values()) else 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   out = tmp_path / "suite.json"
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--out", str(out)], env=env,
-                        capture_output=True, text=True, timeout=600)
+                        capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   record = json.loads(out.read_text())
   meta = record["meta"]
@@ -44,7 +44,8 @@ def test_smoke_run_writes_every_section(tmp_path):
   sections = record["sections"]
   # the sections that run jobs in their own processes first, then the rest in the order
   # they are registered (f last: what the time guard cuts first)
-  assert list(sections) == ["g_main_job", "h_preset_step", "a_kernels_vs_reference",
+  assert list(sections) == ["g_main_job", "h_preset_step", "j_step_dense_vs_sparse",
+                            "a_kernels_vs_reference",
                             "b_copy_bandwidth", "c_sparse_bandwidth", "d_dense_baseline",
                             "e_engine_decode", "i_engine_profile", "f_readmission_agreement"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
@@ -90,6 +91,7 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(_positive(r[k]) for k in ("dense_ms", "sparse_ms", "dense_tok_s", "sparse_tok_s",
                                          "sparse_xla_scores_ms", "speedup_xla_scores"))
     assert r["budget_pages"] == 29  # the published table's first bin
+    assert r["batch"] == 2 and math.isclose(r["dense_tok_s"], 2e3 / r["dense_ms"])
 
   readmit = sections["f_readmission_agreement"]["results"]
   assert [r["attention"] for r in readmit["rows"]] == ["dense", "sparse"]
@@ -106,6 +108,8 @@ def test_smoke_run_writes_every_section(tmp_path):
     for t in threads.values():
       assert all(_positive(k["us_per_step"]) and _positive(k["calls_per_step"])
                  for k in t["kernels"] + t["groups"])
+    # the interpreter's ops carry no kernel names: no page-score kernel time on CPU
+    assert prof[name]["page_scores_us_per_step"] == prof[name]["page_scoring_share"] == 0.0
 
   job = sections["g_main_job"]["results"]
   assert job["command"] == "python experiments/train.py --config tiny num_steps=1 warmstart_steps=0"
@@ -120,6 +124,93 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert all(_positive(step[k]) for k in ("time/step_s", "time/rollout_s", "time/update_s",
                                           "rollout/tokens_per_s", "time/compile_s"))
   assert step["time/compile_s"] < step["time/step_s"]  # the first step compiles, among others
+
+  _check_step_section(sections["j_step_dense_vs_sparse"]["results"])
+
+
+def _check_step_section(res):
+  """Section j's smoke: tiny model, 8 rollouts of 24-token prompts, responses forced to 8
+  then 16 tokens, dense then the published schedule, one warm-up and one timed step each."""
+  assert res["preset"] == "tiny" and res["skipped"] == [] and res["paper_table2"] is None
+  assert [r["length"] for r in res["lengths"]] == [8, 16]
+  for r in res["lengths"]:
+    assert r["batch"] == 8 and r["group_size"] == 4 and r["forced_length"] is True
+    fields = ("step_dense_s", "step_sparse_s", "rollout_dense_s", "rollout_sparse_s",
+              "rollout_tokens_per_s_dense", "rollout_tokens_per_s_sparse", "rollout_speedup",
+              "step_speedup")
+    assert all(_positive(r[k]) for k in fields), r
+    assert math.isclose(r["rollout_speedup"], r["rollout_dense_s"] / r["rollout_sparse_s"])
+    assert math.isclose(r["step_speedup"], r["step_dense_s"] / r["step_sparse_s"])
+    for mode in ("dense", "sparse"):
+      eng = r[mode]
+      assert r[f"step_{mode}_s"] == eng["step_s"] and r[f"rollout_{mode}_s"] == eng["rollout_s"]
+      (warm, timed) = eng["steps"]
+      # every rollout ran to exactly max_new_tokens: ignore_eos forced the length
+      for st in (warm, timed):
+        assert st["rollout/tokens"] == 8 * r["length"] and st["response/len_mean"] == r["length"]
+        assert st["rollout/preemptions"] == 0  # the whole batch at once
+      assert eng["step_s"] == timed["time/step_s"]  # the median of the one timed step
+      assert math.isclose(r[f"rollout_tokens_per_s_{mode}"],
+                          8 * r["length"] / timed["time/rollout_s"])
+      # the phases are inside the step; the warm-up step compiled, and took longer for it
+      assert eng["rollout_s"] + eng["update_s"] <= eng["step_s"]
+      assert warm["time/compile_s"] > 0 and warm["time/step_s"] > timed["time/step_s"]
+
+
+def test_step_batch_is_what_the_pool_holds_at_the_longest_sequence(suite):
+  """Section j's batch for qwen3_1p7b on an H200 (planned, nothing allocated): the plan's
+  sequences of the longest length, above the preset's 64 slots at 8K (the slot cap lifted),
+  rounded to the preset's mini-batch of 64 or, where fewer fit, to groups of 8."""
+  from sparrow_jax.run.builders import model_config
+  from sparrow_jax.run.config import get_train_config
+  from sparrow_jax.run.dry_run import plan_for_model
+
+  batches = {}
+  for length in (8192, 16384):
+    cfg = get_train_config("qwen3_1p7b", [f"max_new_tokens={length}", "max_prompt_len=512"])
+    batch, pool = suite.pool_batch(cfg, device_bytes=141e9)
+    assert pool["sequences_held"] >= batch > 0 and pool["kv_pool_pages"] > 0
+    unit = 64 if pool["sequences_held"] >= 64 else 8
+    assert batch % unit == 0 and pool["sequences_held"] - batch < unit
+    # the engine the job builds (one slot per rollout) holds them all at the longest length
+    plan = plan_for_model(cfg.replace(num_slots=batch), model_config(cfg), 1,
+                          device_bytes=141e9, activation_dtype="float32")
+    assert plan.concurrency["at_max"] >= batch
+    batches[length] = (batch, pool["sequences_held"])
+  assert batches[8192][1] > 64 and batches[8192][0] == 64  # more than the preset's slots
+  assert batches[16384][1] < 64 and batches[16384][0] % 8 == 0
+  assert batches[16384][1] < batches[8192][1]
+
+
+def test_engine_batch_is_what_the_preset_pool_holds(suite):
+  from sparrow_jax.run.config import PRESETS
+  from sparrow_jax.run.dry_run import memory_plan
+
+  run = suite.Run(suite.FULL, False, 60.0)
+  assert run.engine["batch"] == "pool"
+  pages = memory_plan(PRESETS["qwen3_1p7b"], 1, device_bytes=141e9).kv_pool_pages
+  got = {}
+  for ctx in (32768, 16384, 8192):
+    b = suite.engine_batch(run, ctx, 7, 16, device_bytes=141e9)
+    per_seq = -(-suite._engine_seq_len(run, ctx, 7, 16) // 16)
+    assert b * per_seq <= pages - 1 and (b == 64 or (b + 1) * per_seq > pages - 1)
+    got[ctx] = b
+  assert 16 < got[32768] < got[16384] <= got[8192] == 64  # more than runs 1-6's 16 at 32K
+  fixed = suite.Run(suite.FULL, False, 60.0, engine=dict(suite.FULL_ENGINE, batch=16))
+  assert suite.engine_batch(fixed, 32768, 7, 16) == 16
+
+
+def test_page_scoring_share_of_the_busiest_stream(suite):
+  kernel = lambda group, us: dict(group=group, us_per_step=us, calls_per_step=1.0)
+  threads = {"gpu / stream 7": dict(busy_us_per_step=1000.0, kernels=[], groups=[
+      kernel("page_scores", 150.0), kernel("sparse_paged_decode", 400.0),
+      kernel("page_scores_quest", 50.0)]),
+      "gpu / stream 9": dict(busy_us_per_step=10.0, kernels=[],
+                             groups=[kernel("page_scores", 10.0)])}
+  assert suite.page_scoring_share(threads) == dict(page_scores_us_per_step=200.0,
+                                                   page_scoring_share=0.2)
+  assert suite.page_scoring_share({}) == dict(page_scores_us_per_step=0.0,
+                                              page_scoring_share=0.0)
 
 
 def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):
@@ -148,6 +239,23 @@ def test_failures_and_time_guard_are_recorded(suite, tmp_path, monkeypatch):
   assert sections["z_no_time"]["skipped"] == ["item 0", "item 1", "item 2"]
 
 
+def test_full_run_leaves_out_the_sections_that_need_a_call_of_their_own(suite, tmp_path,
+                                                                        monkeypatch):
+  """Without --smoke the default sections are those of the 10-minute run: the step section
+  (j, minutes per 8K step) only when asked for; --smoke runs them all."""
+  assert suite.SECTIONS["j"].own_call and not any(
+      s.own_call for k, s in suite.SECTIONS.items() if k != "j")
+  monkeypatch.setattr(suite, "SECTIONS", {
+      "x": suite.Section("x", "short", 10, lambda r: dict(budget=r.total_deadline)),
+      "y": suite.Section("y", "long", 10, lambda r: {}, own_process=True, own_call=True)})
+  monkeypatch.setattr(suite.jax, "default_backend", lambda: "gpu")
+  for argv, want in ((["--out"], ["x_short"]), (["--smoke", "--out"], ["y_long", "x_short"]),
+                     (["--sections", "y", "--out"], ["y_long"])):
+    out = tmp_path / "r.json"
+    assert suite.main([*argv, str(out)]) == 0
+    assert list(json.loads(out.read_text())["sections"]) == want
+
+
 def test_bad_arguments_exit_2(suite, tmp_path, capsys):
   out = str(tmp_path / "r.json")
   assert suite.main(["--smoke", "--sections", "a,q", "--out", out]) == 2
@@ -158,6 +266,11 @@ def test_bad_arguments_exit_2(suite, tmp_path, capsys):
   for bad in ("0", "8192,x", ""):
     assert suite.main(["--smoke", "--contexts", bad, "--out", out]) == 2
     assert "--contexts" in capsys.readouterr().err
+    assert suite.main(["--smoke", "--step-lengths", bad, "--out", out]) == 2
+    assert "--step-lengths" in capsys.readouterr().err
+  for flag, bad in (("--step-batch", "0"), ("--engine-batch", "0"), ("--engine-batch", "all")):
+    assert suite.main(["--smoke", flag, bad, "--out", out]) == 2
+    assert flag in capsys.readouterr().err
   if suite.jax.default_backend() != "gpu":  # the full suite refuses to run without a GPU
     assert suite.main(["--out", out]) == 2
     assert "needs a GPU" in capsys.readouterr().err
