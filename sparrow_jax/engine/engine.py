@@ -72,6 +72,7 @@ from sparrow_jax.engine.outputs import OutputBuffers, RequestTable
 from sparrow_jax.engine.pruning import (DetectionTable, GroupTracker, PruneCandidate,
                                         PruneHook)
 from sparrow_jax.engine.scheduler import Scheduler, SeqState
+from sparrow_jax.engine.session import EngineSession
 from sparrow_jax.engine.steps import AXIS, DeviceSteps
 from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.decoder import Decoder, pack_decode_weights
@@ -84,7 +85,7 @@ __all__ = ["AXIS", "Completion", "EngineConfig", "GenerationEngine", "Request",
            "resolve_pool_pages"]
 
 _COUNTS = ("prefills", "prefill_tokens", "decode_chunks", "decode_steps", "idle_slot_steps",
-           "wasted_decode_steps", "overlapped_chunks", "device_wait_s")
+           "busy_slot_steps", "wasted_decode_steps", "overlapped_chunks", "device_wait_s")
 
 
 def _next_pow2(n: int) -> int:
@@ -154,6 +155,7 @@ class _Chunk:
   params: tuple  # the rows' stop ids, seed words, temperature, top_p, top_k (device)
   det: tuple  # the rows' detection inputs (pruning) or ()
   occupied: np.ndarray  # [D] running rows per shard
+  version: int = 0  # the policy version of the weights it runs
 
 
 class GenerationEngine(DeviceSteps):
@@ -195,6 +197,7 @@ class GenerationEngine(DeviceSteps):
     self._landmark = landmark
     self._make_pool = None
     self._kv: PagedKVCache | None = self._create_pool()
+    self.version = 0  # the policy version of the weights it holds (`set_state`)
     self._zero_head = None  # the quality head of random pruning (its logits are unused)
     self.num_compilations = 0
     self.stats: collections.Counter = collections.Counter()
@@ -323,15 +326,21 @@ class GenerationEngine(DeviceSteps):
           f"{self.attention.max_budget}")
     return schedule
 
-  def set_state(self, state) -> None:
+  def set_state(self, state, version: int | None = None) -> None:
     """Swap in new policy parameters (same structure), resharded from any training layout to
-    the rollout layout (replicated on every rollout device): no recompilation."""
+    the rollout layout (replicated on every rollout device): no recompilation. `version`:
+    the policy version every token sampled from now on records (`Completion.versions`)."""
     self.state = self._place_state(state)
+    if version is not None:
+      self.version = int(version)
 
-  def _validate(self, requests, sched: Scheduler) -> list[SeqState]:
+  def _validate(self, requests, sched: Scheduler, indices=None) -> list[SeqState]:
+    """SeqStates of `requests` (row `indices[j]` of the run's tables; default 0..n-1), every
+    request checked first."""
     cfg, vocab = self.config, self.model_config.vocab_size
     seqs = []
-    for i, r in enumerate(requests):
+    indices = range(len(requests)) if indices is None else indices
+    for i, r in zip(indices, requests):
       n = len(r.prompt_ids)
       if n < 1:
         raise ValueError(f"request {r.request_id!r}: empty prompt")
@@ -387,59 +396,34 @@ class GenerationEngine(DeviceSteps):
     are decided together once all of them reached `prune.detect_len` or finished.
     `on_finish(i, completion)`: called once per request (index i) soon after it finished,
     at the latest when `generate` returns (callers that save work as it completes).
+
+    A thin loop over a rollout session (`session.py`): every request added at once, one
+    scheduling + decode-chunk iteration at a time until all finished.
     """
-    run = self._begin(requests, lora, prune)  # every request checked before any work
-    sched, chunk = run.sched, self.config.decode_chunk
-    compiles0 = self.num_compilations
+    session = EngineSession(self, requests, lora=lora, prune=prune)  # all checked first
+    run = session.run
     reported: set[int] = set()  # requests handed to `on_finish`
-    t0 = time.perf_counter()
-    pending: _Chunk | None = None  # dispatched, not read back yet
-    while pending is not None or sched.has_work():
-      if pending is None:
-        running = self._schedule(run)
-        if not running:
-          continue
-        pending = self._dispatch(run, running)
-      nxt = None
-      # Overlap: with nothing queued, freed slots and pages have no taker, so the next chunk
-      # can start from this one's device outputs if some sequence may outlive this chunk and
-      # the pool holds two chunks more of every sequence (never preempting for it).
-      if (self.config.overlap_chunks and not sched.queue
-          and any(s.remaining > chunk for s in pending.rows if s is not None)
-          and sched.reserve(2 * chunk)):
-        running = sched.running()
-        if running:
-          nxt = self._dispatch(run, running, prev=pending)
-          run.counts["overlapped_chunks"] += 1
-      self._absorb(run, pending)
-      if run.tracker is not None:
-        self._prune(run)
+    while session.has_work():
+      if not session.step():
+        continue
       if progress is not None:
         progress(len(run.done), len(run.seqs))
       if on_finish is not None:
         reported = _report_finished(run.done, reported, on_finish)
-      pending = nxt
     if on_finish is not None:
       _report_finished(run.done, reported, on_finish)
-    wall = time.perf_counter() - t0
-    counts = run.counts
-    gen = sum(len(c.token_ids) for c in run.done.values())
-    pad = counts.pop("prefill_padded_tokens", 0)
-    processed = counts.pop("prefill_slot_tokens", 0)
-    self.last_stats = dict(counts, **sched.stats.as_dict(), generated_tokens=gen,
-                           finished=len(run.done), wall_s=wall,
-                           prefill_padding_frac=pad / processed if processed else 0.0,
-                           compilations=self.num_compilations - compiles0)
+    self.last_stats = session.stats()
     for key, val in self.last_stats.items():
       if key not in ("pool_high_water_frac", "pool_capacity_pages", "pool_high_water_pages",
                      "prefill_padding_frac"):
         self.stats[key] += val
     self.stats["pool_high_water_pages"] = max(self.stats["pool_high_water_pages"],
-                                              sched.stats.pool_high_water)
+                                              run.sched.stats.pool_high_water)
     return [run.done[i] for i in range(len(run.seqs))]
 
   def _begin(self, requests, lora=None, prune: PruneHook | None = None) -> _Run:
-    """Validate the requests and set up the host state of one generate call."""
+    """Validate the requests and set up the host state of one generate call (or of a
+    session: `requests` may be empty, `_add` adds more)."""
     cfg = self.config
     sched = Scheduler(num_shards=self.num_shards, num_slots=cfg.num_slots,
                       num_pages=self.pool_pages, page_size=cfg.page_size,
@@ -455,7 +439,7 @@ class GenerationEngine(DeviceSteps):
     run = _Run(sched=sched, seqs=seqs, table=RequestTable(seqs, self.model_config.vocab_size),
                out=out, budgets=self._table(), lora=self._replicate(lora), prune=prune)
     run.counts.update(dict.fromkeys(_COUNTS, 0))  # every stat present, even when zero
-    if prune is not None:
+    if prune is not None and seqs:
       run.counts.update(dict.fromkeys(("pruned", "pruned_running", "prune_candidates"), 0))
       run.tracker = GroupTracker(seqs, prune.detect_len)
       run.det = DetectionTable(len(seqs), self.model_config.hidden_size)
@@ -473,13 +457,34 @@ class GenerationEngine(DeviceSteps):
     self.last_scheduler = sched  # inspection (tests, benchmarks): pools, slots, stats
     return run
 
-  def _schedule(self, run: _Run) -> list[SeqState]:
+  def _add(self, run: _Run, requests, indices: Sequence[int]) -> list[SeqState]:
+    """Queue more requests in a running session at rows `indices` (every request checked
+    first); the tables and output buffers grow to hold them."""
+    seqs = self._validate(list(requests), run.sched, indices)
+    if not seqs:
+      return seqs
+    rows = max(indices) + 1
+    if run.out.grow(rows, max(s.max_len - s.prompt_len for s in seqs)):
+      for s in run.seqs:  # the buffers moved: every live row view follows
+        if s is not None:
+          s.tokens = run.out.tokens[s.index]
+    for s in seqs:
+      s.tokens = run.out.tokens[s.index]
+    run.table.put(seqs)
+    run.seqs.extend([None] * (rows - len(run.seqs)))
+    for s in seqs:
+      run.seqs[s.index] = s
+    run.sched.submit(seqs)
+    return seqs
+
+  def _schedule(self, run: _Run, admit: bool = True) -> list[SeqState]:
     """Running sequences first (pages for their next chunk, preempting the newest when a
     shard runs out), then admissions above the watermark, prefilled readmissions apart from
-    fresh prompts. Returns the sequences the next chunk decodes."""
+    fresh prompts (none when not `admit`: a session draining before new weights). Returns
+    the sequences the next chunk decodes."""
     sched = run.sched
     sched.grow()
-    admitted = sched.admit()
+    admitted = sched.admit() if admit else []
     if admitted:
       # A readmission's long context would pad every fresh prompt of its batch to its length
       # (and send them through the teacher-forced sparse path): it gets its own batch.
@@ -490,7 +495,7 @@ class GenerationEngine(DeviceSteps):
       if run.tracker is not None:  # a group's last member may have ended in its prefill
         self._prune(run)
     running = sched.running()
-    if not running and sched.queue and not admitted:
+    if not running and sched.queue and not admitted and admit:
       raise AssertionError("scheduler made no progress with an empty engine")
     return running
 
@@ -575,7 +580,8 @@ class GenerationEngine(DeviceSteps):
     live = np.flatnonzero(row_seq >= 0)
     seq_ids = row_seq[live]
     start = np.asarray([order[r].num_tokens for r in live], np.int64)
-    run.out.append_one(seq_ids, start, tok[live], lp[live], tk_ids[live], tk_lps[live])
+    run.out.append_one(seq_ids, start, tok[live], lp[live], tk_ids[live], tk_lps[live],
+                       version=self.version)
     if rec:
       run.det.update(seq_ids, [x[live] for x in rec])
     for r in live:
@@ -648,7 +654,8 @@ class GenerationEngine(DeviceSteps):
     self._kv, outs, steps, rec, carry = fn(self.state, cache, tokens, active, remaining,
                                            *params, run.budgets, run.lora, *det, *packed)
     return _Chunk(rows=rows, row_seq=row_seq, outs=outs, steps=steps, rec=rec, carry=carry,
-                  params=params, det=det, occupied=alive.reshape(d, b).sum(axis=1))
+                  params=params, det=det, occupied=alive.reshape(d, b).sum(axis=1),
+                  version=self.version)
 
   def _absorb(self, run: _Run, chunk: _Chunk) -> None:
     """Read a chunk back and book it in one vectorised pass: tokens, log-probs and top-k into
@@ -660,6 +667,7 @@ class GenerationEngine(DeviceSteps):
     counts["decode_chunks"] += 1
     counts["decode_steps"] += int(steps.max())
     counts["idle_slot_steps"] += int(np.sum(steps * (b - chunk.occupied)))
+    counts["busy_slot_steps"] += int(np.sum(steps * chunk.occupied))
     # Rows the host still runs (an overlapped chunk may hold rows that ended or were pruned
     # when the chunk before it was read).
     live = np.asarray([r for r, s in enumerate(chunk.rows)
@@ -669,7 +677,7 @@ class GenerationEngine(DeviceSteps):
     seq_ids, n_new = chunk.row_seq[live], count[live].astype(np.int64)
     start = np.asarray([chunk.rows[r].num_tokens for r in live], np.int64)
     run.out.append_chunk(seq_ids, start, n_new, toks[:, live], lps[:, live], tk_ids[:, live],
-                         tk_lps[:, live])
+                         tk_lps[:, live], version=chunk.version)
     if rec:
       run.det.update(seq_ids, [x[live] for x in rec])
     for r, n in zip(live, n_new):
@@ -691,12 +699,12 @@ class GenerationEngine(DeviceSteps):
     run.sched.release(seq)
 
   def _complete(self, run: _Run, seq: SeqState, reason: str) -> Completion:
-    ids, lps, tk_ids, tk_lps = run.out.slices(seq.index, seq.num_tokens)
+    ids, lps, tk_ids, tk_lps, versions = run.out.slices(seq.index, seq.num_tokens)
     out = Completion(request_id=seq.req.request_id,
                      prompt_ids=np.asarray(seq.req.prompt_ids, np.int32), token_ids=ids,
                      logprobs=lps, finish_reason=reason, topk_ids=tk_ids,
                      topk_logprobs=tk_lps, preemptions=seq.preemptions,
-                     pruned=reason == "pruned")
+                     pruned=reason == "pruned", versions=versions)
     if run.det is not None:
       out.quality_logit, out.detect_hidden, out.detect_index = run.det.best(seq.index)
     return out
