@@ -138,11 +138,14 @@ def attention_for(schedule: SparsitySchedule, max_position: int,
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "attention", "chunk", "with_logp"))
 def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths, temperature,
-                 *, attention, chunk, with_logp=False):
+                 *, attention, chunk, with_logp=False, dense_state=None):
   """alpha [B, T] (and with `with_logp` the sparse actor's log-prob of every token at the
-  temperature, [B, T]), both aligned with tokens: entry t is of token t, entry 0 is 0."""
+  temperature, [B, T]), both aligned with tokens: entry t is of token t, entry 0 is 0.
+  `dense_state`: the dense side's weights when they differ from the sparse actor's (an older
+  actor against the learner's current policy); None = `state`."""
   model = nnx.merge(graphdef, state)
-  dense = model.hidden_states(tokens, lengths=lengths)  # [B, T, D]
+  dense_model = model if dense_state is None else nnx.merge(graphdef, dense_state)
+  dense = dense_model.hidden_states(tokens, lengths=lengths)  # [B, T, D]
   sparse = model.hidden_states(tokens, lengths=lengths, attention=attention, budgets=budgets,
                                prompt_lengths=prompt_lengths, lora=lora)  # [B, T, D]
   b, t, d = dense.shape
@@ -160,7 +163,8 @@ def _probe_alpha(graphdef, state, lora, tokens, budgets, prompt_lengths, lengths
 
   def one(args):
     ls = model.logits(args[1]) / temperature  # [B, chunk, V]
-    alpha = mismatch.acceptance_rate(model.logits(args[0]) / temperature, ls)  # [B, chunk]
+    alpha = mismatch.acceptance_rate(dense_model.logits(args[0]) / temperature,
+                                     ls)  # [B, chunk]
     if not with_logp:
       return alpha
     lse = jax.nn.logsumexp(ls.astype(jnp.float32), axis=-1)

@@ -21,13 +21,27 @@ def rollout_temperature(cfg: TrainConfig) -> float:
   return cfg.temperature if cfg.temperature > 0 else 1.0
 
 
+# Asynchronous training without a correction key: decoupled PPO's behaviour weight
+# pi_prox / mu goes through the TIS cap at this C (AReaL caps it too).
+ASYNC_TIS_CAP = 2.0
+
+
+def _tis_cap(cfg: TrainConfig) -> float | None:
+  """`tis_cap`, or ASYNC_TIS_CAP under max_staleness > 0 when no correction key is set."""
+  if cfg.max_staleness and cfg.tis_cap is None and cfg.tis_mask_threshold is None and (
+      cfg.rollout_is is None and cfg.rollout_rs is None
+      and cfg.rollout_token_veto_threshold is None):
+    return ASYNC_TIS_CAP
+  return cfg.tis_cap
+
+
 def loss_config(cfg: TrainConfig) -> grpo.GRPOLossConfig:
   """The GRPO loss of a run: every field of `GRPOLossConfig` comes from a key."""
   return grpo.GRPOLossConfig(
       eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip_c=cfg.dual_clip_c,
       agg=cfg.loss_agg, norm_len=cfg.max_new_tokens if cfg.loss_agg.endswith("norm") else None,
       kl_coef=cfg.kl_coef, kl_kind=cfg.kl_kind, entropy_coeff=cfg.entropy_coeff,
-      tis_cap=cfg.tis_cap, tis_mask_threshold=cfg.tis_mask_threshold,
+      tis_cap=_tis_cap(cfg), tis_mask_threshold=cfg.tis_mask_threshold,
       tis_mask_low=cfg.tis_mask_low, rollout_is=cfg.rollout_is,
       rollout_is_threshold=cfg.rollout_is_threshold,
       rollout_is_batch_normalize=cfg.rollout_is_batch_normalize, rollout_rs=cfg.rollout_rs,

@@ -158,6 +158,11 @@ class TrainConfig:
   dynamic_sampling: bool = False
   max_refill_rounds: int = 4  # extra rollout rounds to refill dropped groups (0 = no refill)
   max_bad_steps: int = 3  # NaN/inf steps in a row before the run stops
+  # Asynchronous off-policy training (issue 47; docs/training_step.md, "Asynchronous steps").
+  max_staleness: int = 0  # N: a step trains on tokens at most N policy versions old; 0 = sync
+  partial_rollouts: bool = False  # unfinished sequences continue under the new weights
+  partial_rollout_kv: str = "keep"  # keep | recompute: the running sequences' KV at an update
+  rollout_devices: int = 0  # K devices for the engine apart from the learner (0 = time-share)
   logprob_chunk: int = 128
   # supervised warm start (random-init models only need it)
   warmstart_steps: int = 0
@@ -290,6 +295,7 @@ class TrainConfig:
     if self.top_k < 0:
       raise ValueError(f"top_k={self.top_k}: expected >= 0 (0 = off)")
     _check_trainable(self)
+    _check_async(self)
     if self.dual_clip_c is not None and not self.dual_clip_c > 1:
       raise ValueError(f"dual_clip_c={self.dual_clip_c!r}: expected null (off) or > 1")
     if self.arrol:
@@ -373,6 +379,12 @@ class TrainConfig:
             and self.mini_batch == self.batch_size and not self.distill
             and self.tis_mask_threshold is None and not decoupled_pre)
 
+  @property
+  def kv_pool_released(self) -> bool:
+    """The engine's KV pool is freed while the learner runs: `release_kv_cache`, and never
+    under asynchronous training (the running sequences keep their pages across steps)."""
+    return self.release_kv_cache and not self.max_staleness
+
   def replace(self, **kw) -> "TrainConfig":
     return dataclasses.replace(self, **kw)
 
@@ -397,6 +409,32 @@ def _check_trainable(cfg: TrainConfig) -> None:
                      "(greedy decoding is for eval.py / generate.py --temperature 0)")
 
 
+def _check_async(cfg: TrainConfig) -> None:
+  """The asynchronous keys (issue 47), refused where they cannot work, with why."""
+  n = cfg.max_staleness
+  if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    raise ValueError(f"max_staleness={n!r}: expected an int >= 0 (0 = synchronous steps)")
+  if cfg.partial_rollout_kv not in ("keep", "recompute"):
+    raise ValueError(f"partial_rollout_kv={cfg.partial_rollout_kv!r}: expected keep or "
+                     "recompute")
+  if cfg.partial_rollouts and not n:
+    raise ValueError("partial_rollouts=true needs max_staleness >= 1 (with 0 every sequence "
+                     "finishes under the weights it started with: synchronous steps)")
+  if cfg.rollout_devices:
+    raise ValueError(
+        f"rollout_devices={cfg.rollout_devices}: not supported; the engine and the learner "
+        "time-share the process's devices (the learner's step runs between engine chunks). "
+        "Running them side by side on separate devices needs them in two threads or "
+        "processes with a weight copy between the meshes, which this trainer does not have")
+  if n and cfg.dynamic_sampling:
+    raise ValueError(f"max_staleness={n} with dynamic_sampling=true: not supported (DAPO's "
+                     "refill rounds regenerate within one step; asynchronous steps take "
+                     "whichever groups finish)")
+  if n and cfg.arrol:
+    raise ValueError(f"max_staleness={n} with arrol=true: not supported (ARRoL decides a "
+                     "group's pruning inside one synchronous rollout)")
+
+
 _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=2048,
             max_new_tokens=32768, group_size=8, prompts_per_step=32, num_slots=64,
             lr=1e-6, eps_low=0.2, eps_high=0.28, kl_coef=0.0, entropy_coeff=0.0,
@@ -419,11 +457,6 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
             # headroom, and on the GPU it covers library workspaces.
             kv_cache_fraction=0.8)
 
-# Per-model memory knobs on top of _GPU, so each preset's step compiled for its device count
-# (`--dry-run --compile`: 4 / 8 / 16 H200s for 4B / 8B / 14B) fits with >= 5% headroom
-# (BENCHMARKS.md, "Every Qwen3 preset compiled", 2026-12-05). The XLA decode chunk gathers
-# every slot's pages: its temporaries scale with num_slots, so 8B and 14B take the slots their
-# 256 rollouts need per device (256 / 8, 256 / 16); 4B, at 64 per device, a smaller pool.
 def _check_tools(cfg: TrainConfig) -> None:
   """The multi-turn keys (issue 49)."""
   if not cfg.tools:

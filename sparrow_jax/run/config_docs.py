@@ -170,6 +170,23 @@ KEY_DOCS: dict[str, str] = {
                         "(verl: algorithm.filter_groups).",
     "max_refill_rounds": "Extra rollout rounds to refill dropped groups (0 = no refill; verl: "
                          "filter_groups.max_num_gen_batches).",
+    "max_staleness": "N of asynchronous training (verl: async_training.staleness_threshold; "
+                     "AReaL: max_head_offpolicyness): the engine generates ahead of the "
+                     "learner and a step trains only on tokens sampled at most N policy "
+                     "versions ago; 0 = synchronous steps, bit-identical to before. With N > "
+                     "0 and no correction key set, tis_cap=2 is applied (decoupled PPO's "
+                     "behaviour weight pi_prox / mu, capped); single-process runs only.",
+    "partial_rollouts": "With max_staleness > 0: sequences still running when a step has its "
+                        "groups keep their slots and pages and continue under the new "
+                        "weights (verl / slime partial_rollout); false: the engine admits "
+                        "nothing new until they finish under the old weights (one version "
+                        "per sequence).",
+    "partial_rollout_kv": "What the running sequences' KV does at a weight update with "
+                          "partial_rollouts: keep (TRL's pause keep: no cost, the recorded "
+                          "log-probs stay the behaviour policy's) | recompute (AReaL: "
+                          "re-prefill every running context under the new weights).",
+    "rollout_devices": "K devices of the process for the engine, the rest for the learner; "
+                       "0 = time-share them (the only mode built: K > 0 is refused).",
     "max_bad_steps": "NaN/inf steps in a row before the run stops.",
     "logprob_chunk": "Positions per LM-head chunk when log-probs are computed (bounds the "
                      "[positions x vocab] logits in memory).",

@@ -62,6 +62,8 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "rollout_rs_threshold", "rollout_token_veto_threshold", "rollout_mode",
                        "dynamic_sampling",
                        "max_refill_rounds", "max_bad_steps", "logprob_chunk")),
+    ("asynchronous training", ("max_staleness", "partial_rollouts", "partial_rollout_kv",
+                               "rollout_devices")),
     ("micro-batches", ("logprob_micro_batch_size", "max_tokens_per_micro_batch",
                        "logprob_max_tokens_per_micro_batch", "length_buckets_per_octave",
                        "skip_redundant_recompute")),

@@ -97,7 +97,7 @@ def plan_for_model(cfg: TrainConfig, mcfg, num_devices: int, *,
       mean_context_len=min(cfg.max_prompt_len, seq) + mean_resp,
       logprob_micro_batch=lp_rows, logprob_seq_len=lp_len, logprob_topk=cfg.monitor_topk,
       skip_recompute=cfg.skips_recompute, distill=cfg.distill,
-      release_kv_cache=cfg.release_kv_cache, prefill_len=cfg.max_prompt_len,
+      release_kv_cache=cfg.kv_pool_released, prefill_len=cfg.max_prompt_len,
       probe=bool(cfg.ladder.strip()) or (bool(cfg.exact_alpha_every) and cfg.schedule != "dense"),
       activation_dtype=activation_dtype, decode_backend=backend or decode_backend(cfg),
       decode_pages=decode_pages(cfg), max_prefill_tokens=cfg.max_prefill_tokens)
@@ -136,7 +136,7 @@ def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
   print(f"KV pool held through training (release_kv_cache=false): {h['at_mean']} / "
         f"{h['at_max']} concurrent sequences per device at the mean / maximum length; "
         f"released while training (release_kv_cache=true): {c['at_mean']} / {c['at_max']}"
-        f"{' (this run)' if cfg.release_kv_cache else ''}", file=out)
+        f"{' (this run)' if cfg.kv_pool_released else ''}", file=out)
   fits = plan.fits
   phases = {}
   if compile:

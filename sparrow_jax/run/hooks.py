@@ -21,6 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.rl.monitor import lower_bound_alpha, replay_diff, replay_stats
@@ -73,8 +75,54 @@ def exact_alpha(tr, rec) -> dict[str, float]:
   for k, (v, c) in tails.items():
     out[f"mismatch/exact_p5_bin_{k}"] = v
     out[f"mismatch/exact_count_bin_{k}"] = float(c)
+  out.update(alpha_split(tr, b, sub, np.asarray(alpha)))
   rec.exact_token_alpha = np.asarray(alpha)
   return out
+
+
+def alpha_split(tr, b, sub: dict, alpha: np.ndarray) -> dict[str, float]:
+  """The mismatch tail split into its two sources (asynchronous training): for each token
+  sampled by policy version v, alpha of the sparse actor of version v (its weights and LoRA,
+  teacher-forced on the row) against the dense policy of the same version v
+  (`mismatch/p5_sparsity`: what sparse attention costs) and against the learner's current
+  dense policy (`mismatch/p5_total`: sparsity and staleness together), each the lowest
+  per-bin p5 as `mismatch/exact_p5`. Tokens of the current version take `alpha` (the
+  existing exact alpha) for both, so with no stale token both equal `mismatch/exact_p5`.
+  Older versions' weights come from `tr.policy_history` (kept with max_staleness > 0 and
+  exact alpha on); a version missing there is left out (`mismatch/split_missing_tokens`)."""
+  cfg, now = tr.cfg, tr.state.policy_version
+  rows = alpha.shape[0]
+  m = sub["mask"] > 0
+  versions = np.asarray(b.versions[:rows])
+  sparsity, total, keep = alpha.copy(), alpha.copy(), m.copy()
+  for v in np.unique(versions[m]):
+    if int(v) == now:
+      continue
+    sel = m & (versions == v)
+    old = getattr(tr, "policy_history", {}).get(int(v))
+    if old is None:
+      keep &= ~sel
+      continue
+    params_v, lora_v = old
+    a_s = tr.learner.token_alpha(params_v, sub, b.schedule, lora_v)
+    a_t = tr.learner.token_alpha(params_v, sub, b.schedule, lora_v, dense_params=tr.state.params)
+    sparsity[sel], total[sel] = np.asarray(a_s)[sel], np.asarray(a_t)[sel]
+  out = {"mismatch/split_missing_tokens": float((m & ~keep).sum())}
+  for name, a in (("sparsity", sparsity), ("total", total)):
+    tails = alpha_tails_per_bin(a, keep.astype(np.float32), bin_size=cfg.mismatch_bin_size)
+    if tails:
+      out[f"mismatch/p5_{name}"] = min(v for v, _ in tails.values())
+  return out
+
+
+def remember_policy(tr) -> None:
+  """Keep a copy of the policy (and actor LoRA) about to be updated, by version, for the
+  alpha split of the next `max_staleness` steps (the update donates the parameters)."""
+  v, keep = tr.state.policy_version, tr.cfg.max_staleness
+  copy = lambda t: None if t is None else jax.tree.map(jnp.copy, t)
+  tr.policy_history[v] = (copy(tr.state.params), copy(tr._actor_lora()))
+  for old in [k for k in tr.policy_history if k < v + 1 - keep]:
+    del tr.policy_history[old]
 
 
 # --- monitor -----------------------------------------------------------------------------

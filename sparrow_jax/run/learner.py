@@ -122,11 +122,12 @@ class Learner:
 
   # --- exact alpha -----------------------------------------------------------------------
   def token_alpha(self, params, arrays, schedule: SparsitySchedule, lora, plan=None, *,
-                  with_logp: bool = False):
+                  with_logp: bool = False, dense_params=None):
     """Exact alpha_t [B, T] between the dense policy `params` and sparse(+`lora`) under
     `schedule`, teacher-forced on a batch's tokens (micro-batched). With `with_logp`,
     (alpha, logp): logp [B, T] the sparse actor's log-prob of each token at the rollout
-    temperature."""
+    temperature. `dense_params`: the dense side's weights when they are not `params` (the
+    sparse actor of an older policy version against the learner's current one)."""
     plan = plan if plan is not None else self.logprob_plan(arrays["lengths"])
     t = int(np.shape(arrays["tokens"])[1])
     attention = attention_for(schedule, t, landmark_dtype=self.cfg.landmark_dtype)
@@ -140,7 +141,7 @@ class Learner:
       out = probe_alpha_program(self.graphdef, params, lora, mb["tokens"], mb["budgets"],
                                 mb["prompt_lens"], mb["lengths"], jnp.float32(self.temperature),
                                 attention=attention, chunk=self.cfg.logprob_chunk,
-                                with_logp=with_logp)
+                                with_logp=with_logp, dense_state=dense_params)
       return {"alpha": out[0], "logp": out[1]} if with_logp else {"alpha": out}
 
     res = self.run_micro(fn, arrays, plan, keys=("tokens", "prompt_lens", "lengths"),

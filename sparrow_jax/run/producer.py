@@ -25,6 +25,7 @@ from sparrow_jax.agents import make_format
 from sparrow_jax.engine.config import Completion
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams, request_seed
+from sparrow_jax.engine.session import EngineSession
 from sparrow_jax.rl import arrol as arrol_lib
 from sparrow_jax.rl import grpo
 from sparrow_jax.rl import rewards as rewards_lib
@@ -65,6 +66,8 @@ class EngineRollout:
     self.stats: dict[str, float] = {}
     self.version = 0
     self.lora = None  # the sparse actor's LoRA of `update_weights`
+    self.session: EngineSession | None = None  # asynchronous training's long-lived rollout
+    self.on_running = "keep"  # what the session's running sequences do at an update
 
   @property
   def num_compilations(self) -> int:
@@ -90,9 +93,24 @@ class EngineRollout:
     return distributed.gather_completions(local, mine, requests, topk=self.topk,
                                           make=Completion)
 
+  def open_session(self, on_running: str = "keep") -> EngineSession:
+    """The long-lived rollout session of asynchronous training (created on first use, with
+    the LoRA of `update_weights`); from now on `update_weights` loads into it between chunks
+    (`on_running`: keep | recompute | drain, `engine/session.py`) and `release` keeps the
+    pool (the running sequences hold pages across steps)."""
+    if self.session is None:
+      self.session = EngineSession(self.engine, lora=self.lora)
+    self.on_running = on_running
+    return self.session
+
   def update_weights(self, params, *, lora=None, version: int) -> None:
-    """New policy weights (and the sparse actor's LoRA) for the next rollouts."""
-    self.engine.set_state(params)
+    """New policy weights (and the sparse actor's LoRA) for the next rollouts; every token
+    sampled from now on records `version`."""
+    if self.session is not None:
+      self.session.update_weights(params, lora=lora, version=version,
+                                  on_running=self.on_running)
+    else:
+      self.engine.set_state(params, version=version)
     self.lora = lora
     self.version = version
 
@@ -103,7 +121,7 @@ class EngineRollout:
   def release(self) -> None:
     """Free the KV pool while the learner runs (`release_kv_cache`; the next rollout rebuilds
     it at the same size)."""
-    if self.release_kv_cache:
+    if self.release_kv_cache and self.session is None:
       self.engine.release_kv_pool()
 
 
@@ -121,6 +139,7 @@ class Producer:
     self.prune_hook = None  # ARRoL's engine hook of the latest rollout
     self._scorer: RewardScorer | None = None  # started on first use
     self.agent = make_agent_loop(cfg, tokenizer)  # multi-turn tool use (`tools`), or None
+    self.metrics: dict[str, float] = {}  # the latest batch's producer metrics (async/*)
 
   # --- verifiers ------------------------------------------------------------------------
   @property
@@ -154,6 +173,11 @@ class Producer:
     return r, res
 
   # --- rollouts -------------------------------------------------------------------------
+  def response_budget(self, seed: int) -> int:
+    """max_new_tokens of the request with sampling `seed`: the config's (a benchmark draws a
+    length law here, with ignore_eos=true)."""
+    return self.cfg.max_new_tokens
+
   def requests(self, examples, step: int, round_: int = 0) -> list[Request]:
     """G samples of every prompt; `round_` > 0 are dynamic-sampling refills (other seeds)."""
     cfg = self.cfg
@@ -164,7 +188,8 @@ class Producer:
         seed = request_seed(cfg.seed, step, round_, i, g)
         reqs.append(Request(ids, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
                                                 top_k=cfg.top_k,
-                                                max_new_tokens=cfg.max_new_tokens, seed=seed,
+                                                max_new_tokens=self.response_budget(seed),
+                                                seed=seed,
                                                 ignore_eos=cfg.ignore_eos),
                             (i, g), group=(round_, i)))
     return reqs
@@ -249,6 +274,15 @@ class Producer:
                       topk=self.cfg.monitor_topk, step=step, examples=examples,
                       rewards=rewards, version=version, schedule=schedule, lora=lora,
                       info=info)
+
+
+  def state_dict(self) -> dict | None:
+    """What a checkpoint keeps of the producer (synchronous: nothing beyond the data
+    position)."""
+    return None
+
+  def load_state_dict(self, state: dict | None) -> None:
+    pass
 
 
 def make_agent_loop(cfg, tokenizer) -> AgentLoop | None:

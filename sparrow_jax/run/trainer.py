@@ -58,13 +58,14 @@ from sparrow_jax.run import setup
 from sparrow_jax.run import sharding as sh
 from sparrow_jax.run import stages as stages_lib
 from sparrow_jax.run import warmstart as warmstart_lib
+from sparrow_jax.run.async_producer import AsyncProducer
 from sparrow_jax.run.batch import TrainBatch, make_batch
 from sparrow_jax.run.builders import (Preflight, build_model, make_optimizer, model_config,
                                       preflight)
 from sparrow_jax.run.checkpointing import Checkpointer
 from sparrow_jax.run.config import TrainConfig
 from sparrow_jax.run.dry_run import plan_for_model
-from sparrow_jax.run.hooks import step_hooks
+from sparrow_jax.run.hooks import remember_policy, step_hooks
 from sparrow_jax.run.learner import Learner, StepRecord
 from sparrow_jax.run.loop import TrainingInterrupted, TrainingStopped  # noqa: F401 (API)
 from sparrow_jax.run.metrics import MetricsLogger
@@ -126,7 +127,7 @@ class Trainer:
     elif not self.memory_plan.pool_fits:
       raise ValueError(self.memory_plan.message())
     self.rollout = EngineRollout(self._build_engine(model), topk=cfg.monitor_topk,
-                                 release_kv_cache=cfg.release_kv_cache)
+                                 release_kv_cache=cfg.kv_pool_released)
     self.state = self._initial_state(params, param_shardings)
     self.examples, self.num_dropped_prompts, self.val_examples, dataset = setup.load_prompts(
         cfg, self.tokenizer, checked, with_dataset)
@@ -137,6 +138,7 @@ class Trainer:
                    "the kept mass (see README, Configuration)", cfg.top_p, cfg.top_k)
     self.resumed_step: int | None = None
     self.last_rollout = None  # (example of each completion, completions, rewards), last step
+    self.policy_history: dict = {}  # version -> (params, actor LoRA): hooks.alpha_split
     self.monitor = MismatchMonitor(MonitorConfig(tau=cfg.tau, bin_size=cfg.mismatch_bin_size,
                                                  min_count=8))
     self.ladder = None
@@ -159,7 +161,8 @@ class Trainer:
       self.arrol = arrol_lib.ArrolPruner(cfg.arrol_config(), self.model_cfg.hidden_size,
                                          seed=cfg.seed + 11)
       self.arrol_stop_ids = arrol_lib.stop_token_ids(self.tokenizer)
-    self.producer = Producer(cfg, self.tokenizer, dataset, self.rollout, arrol=self.arrol,
+    producer = AsyncProducer if cfg.max_staleness else Producer  # (run/async_producer.py)
+    self.producer = producer(cfg, self.tokenizer, dataset, self.rollout, arrol=self.arrol,
                              arrol_stop_ids=self.arrol_stop_ids)
     self.hooks = step_hooks(cfg, ladder_on=self.ladder is not None,
                             arrol_on=self.arrol is not None)
@@ -261,11 +264,14 @@ class Trainer:
     rec.batch = self.producer.produce(rec.step, version=self.state.policy_version,
                                       schedule=self.schedule, lora=self._actor_lora())
     rec.times["rollout"], rec.times["reward"] = rec.batch.info.rollout_s, rec.batch.info.reward_s
+    rec.out.update(self.producer.metrics)  # async/* (asynchronous training)
 
   def _stage(self, name: str, fn) -> Callable[[StepRecord], None]:
     def run(rec: StepRecord) -> None:
       if name == "batch":  # the learner gets the KV pool's memory back
         self.rollout.release()
+      if name == "update" and self.cfg.max_staleness and self.cfg.exact_alpha_every:
+        remember_policy(self)  # older actors for the exact alpha split (hooks.alpha_split)
       self.state = fn(self.learner, self.state, rec)
       if name == "update":  # the new policy goes to the engine for the next rollout
         self.state.policy_version += 1
@@ -338,6 +344,7 @@ class Trainer:
     return {**self.state.checkpoint_metadata(),
             "config": self.cfg.to_dict(), "schedule": self.schedule.to_dict(),
             "ladder": None if self.ladder is None else self.ladder.state_dict(),
+            "async": self.producer.state_dict(),
             "arrol": (None if self.arrol is None else
                       {"step": self.arrol.step,
                        "calibrator": self.arrol.calibrator.state_dict()})}
@@ -366,6 +373,7 @@ class Trainer:
                          if k.endswith("_counts")}})
     self.resumed_step = self.step
     self.dataset.load_state_dict(meta["data"])
+    self.producer.load_state_dict(meta.get("async"))  # outstanding groups, regenerated
     self._load_ladder_state(meta.get("ladder"))
     self._publish()
     return self.step

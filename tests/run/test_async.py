@@ -1,0 +1,155 @@
+"""Asynchronous training (issue 47): the config's refusals, the behaviour weight against a
+float64 reference, group advantages over members of different versions, the mismatch split,
+and a tiny run that keeps its staleness bound and resumes from a checkpoint mid-async."""
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.rl import reward_helpers  # noqa: F401  (registers the test verifiers)
+from sparrow_jax.engine.config import Completion
+from sparrow_jax.rl import grpo
+from sparrow_jax.run import algorithm, hooks, stages
+from sparrow_jax.run.batch import make_batch
+from sparrow_jax.run.config import TrainConfig, get_train_config
+from sparrow_jax.run.metrics import read_jsonl
+from sparrow_jax.run.trainer import Trainer
+
+
+def test_async_keys_refused_where_they_cannot_work():
+  for kw, msg in ((dict(partial_rollouts=True), "needs max_staleness >= 1"),
+                  (dict(max_staleness=-1), "max_staleness=-1"),
+                  (dict(rollout_devices=4, max_staleness=1), "rollout_devices=4: not supported"),
+                  (dict(max_staleness=1, dynamic_sampling=True), "dynamic_sampling"),
+                  (dict(max_staleness=1, arrol=True, max_new_tokens=64), "arrol=true"),
+                  (dict(max_staleness=1, partial_rollout_kv="drop"), "partial_rollout_kv")):
+    with pytest.raises(ValueError, match=msg):
+      TrainConfig(**kw)
+  # the pool lives through training; the behaviour weight is capped unless a key says
+  assert TrainConfig().kv_pool_released and not TrainConfig(max_staleness=1).kv_pool_released
+  assert algorithm.loss_config(TrainConfig()).tis_cap is None
+  assert algorithm.loss_config(TrainConfig(max_staleness=2)).tis_cap == algorithm.ASYNC_TIS_CAP
+  assert algorithm.loss_config(TrainConfig(max_staleness=2, tis_cap=5.0)).tis_cap == 5.0
+  assert algorithm.loss_config(TrainConfig(max_staleness=2, rollout_is="token")).tis_cap is None
+
+
+def _batch(versions, rewards, g=4, t=6):
+  """One-prompt-per-group batch: row j has `t` response tokens of versions[j] (an int or a
+  per-token list)."""
+  comps = []
+  for j, v in enumerate(versions):
+    v = np.full(t, v, np.int32) if np.isscalar(v) else np.asarray(v, np.int32)
+    comps.append(Completion(request_id=(j // g, j % g), prompt_ids=np.array([5, 6], np.int32),
+                            token_ids=np.arange(7, 7 + t, dtype=np.int32),
+                            logprobs=np.full(t, -1.0, np.float32), finish_reason="length",
+                            versions=v))
+  return make_batch(comps, max_new_tokens=t, topk=0, rewards=rewards, version=9)
+
+
+def test_group_advantages_are_over_the_whole_group_whatever_the_versions():
+  rewards = np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0], np.float32)
+  mixed = _batch([3, [3, 3, 4, 4, 5, 5], 4, 5, 5, 5, 4, 3], rewards)
+  same = _batch([5] * 8, rewards)
+  assert (mixed.versions[1, 2:] == [3, 3, 4, 4, 5, 5]).all()  # per token, as the engine wrote
+  ln = types.SimpleNamespace(cfg=TrainConfig(prompts_per_step=2, group_size=4))
+  for b in (mixed, same):
+    stages.advantages(ln, None, types.SimpleNamespace(batch=b, rho_hat=None))
+  np.testing.assert_array_equal(mixed.advantages, same.advantages)
+  r = rewards.astype(np.float64).reshape(2, 4)
+  ref = (r - r.mean(1, keepdims=True)) / (r.std(1, ddof=1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(mixed.advantages, ref.reshape(-1), atol=1e-5)
+
+
+def test_behaviour_weight_against_float64():
+  """pi_prox / mu per token through the async TIS cap: prox = the learner's policy at the
+  step's start, mu = the engine's log-prob at the version that sampled the token."""
+  rng = np.random.default_rng(0)
+  prox = rng.normal(-2.0, 0.5, (3, 7))
+  mu = prox + rng.normal(0.0, 0.6, (3, 7))  # older versions: further from the learner
+  mask = (rng.random((3, 7)) > 0.2).astype(np.float32)
+  cap = algorithm.loss_config(TrainConfig(max_staleness=1)).tis_cap
+  w, _, stats = grpo.rollout_correction(jnp.asarray(prox, jnp.float32),
+                                        jnp.asarray(mu, jnp.float32), jnp.asarray(mask),
+                                        tis_cap=cap)
+  ref = np.minimum(np.exp(prox - mu), cap) * mask
+  np.testing.assert_allclose(np.asarray(w), ref, rtol=2e-6, atol=1e-6)
+  trunc = ((np.exp(prox - mu) > cap) * mask).sum() / mask.sum()
+  np.testing.assert_allclose(float(stats["is_frac_truncated"]), trunc, rtol=1e-6)
+
+
+class _Learner:
+  """token_alpha of a sparse actor `params` against a dense side: a value per (actor,
+  dense) pair, so the split's routing shows."""
+
+  def token_alpha(self, params, arrays, schedule, lora, plan=None, *, dense_params=None):
+    shape = arrays["tokens"].shape
+    dense = params if dense_params is None else dense_params
+    return np.full(shape, 0.5 + 0.1 * params + 0.01 * dense, np.float32)
+
+
+def _split_tr(now, history):
+  cfg = types.SimpleNamespace(mismatch_bin_size=8)
+  return types.SimpleNamespace(cfg=cfg, state=types.SimpleNamespace(policy_version=now,
+                                                                    params=now),
+                               learner=_Learner(), policy_history=history)
+
+
+def test_alpha_split_equals_exact_alpha_without_staleness():
+  b = _batch([4] * 4, np.zeros(4, np.float32))
+  sub = b.arrays("tokens", "prompt_lens", "lengths", "mask")
+  alpha = np.random.default_rng(1).uniform(0.6, 1.0, b.tokens.shape).astype(np.float32)
+  out = hooks.alpha_split(_split_tr(4, {}), b, sub, alpha)
+  exact = hooks.alpha_tails_per_bin(alpha, sub["mask"], bin_size=8)
+  p5 = min(v for v, _ in exact.values())
+  assert out["mismatch/p5_sparsity"] == out["mismatch/p5_total"] == p5
+  assert out["mismatch/split_missing_tokens"] == 0
+
+
+def test_alpha_split_takes_each_tokens_version():
+  alpha = lambda b: np.ones(b.tokens.shape, np.float32)  # the current version's exact alpha
+  old = _batch([3] * 4, np.zeros(4, np.float32))
+  sub = old.arrays("tokens", "prompt_lens", "lengths", "mask")
+  out = hooks.alpha_split(_split_tr(4, {3: (3, None)}), old, sub, alpha(old))
+  # sparsity: the actor of version 3 against dense 3; total: against the learner's (4)
+  assert out["mismatch/p5_sparsity"] == pytest.approx(0.5 + 0.1 * 3 + 0.01 * 3)
+  assert out["mismatch/p5_total"] == pytest.approx(0.5 + 0.1 * 3 + 0.01 * 4)
+  mixed = _batch([4, 3, [2, 2, 3, 3, 4, 4], 4], np.zeros(4, np.float32))
+  sub = mixed.arrays("tokens", "prompt_lens", "lengths", "mask")
+  out = hooks.alpha_split(_split_tr(4, {3: (3, None)}), mixed, sub, alpha(mixed))
+  assert out["mismatch/split_missing_tokens"] == 2  # version 2 was not kept
+  assert 0.83 - 1e-6 <= out["mismatch/p5_sparsity"] < out["mismatch/p5_total"] < 1.0
+
+
+SMALL = ["warmstart_steps=0", "prompts_per_step=2", "group_size=4", "num_slots=8",
+         "max_new_tokens=12", "ignore_eos=true", "decode_chunk=4", "tensorboard=false",
+         "distill=false", "reward_workers=1", "sample_every=0"]
+
+
+def test_async_run_keeps_its_bound_and_resumes_mid_async(tmp_path):
+  def cfg(d, steps):
+    return get_train_config("tiny", SMALL + [f"out_dir={d}", f"num_steps={steps}",
+                                             "max_staleness=1", "partial_rollouts=true",
+                                             "save_every=2"])
+  # per-request lengths 3..12 (ignore_eos): some sequences outlive their step
+  budget = lambda self, seed: 3 + int(seed) % 10
+  from sparrow_jax.run import producer as producer_lib
+  old = producer_lib.Producer.response_budget
+  producer_lib.Producer.response_budget = budget
+  try:
+    with Trainer(cfg(tmp_path, 3), quiet=True) as tr:
+      tr.fit()
+    with Trainer(cfg(tmp_path, 5), quiet=True) as tr:
+      assert tr.resume() == 3
+      assert tr.producer._regenerate  # the outstanding groups come back
+      tr.fit()
+  finally:
+    producer_lib.Producer.response_budget = old
+  rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+  for r in rows:
+    assert r["async/staleness_max"] <= 1 and r["async/over_stale_tokens"] == 0
+    assert 0 < r["async/occupancy"] <= 1
+  assert any(r["async/staleness_mean"] > 0 for r in rows)
+  assert any(r["async/partial_frac"] > 0 for r in rows)
