@@ -243,7 +243,7 @@ def test_logged_tis_ratios_are_one_on_dense_tempered_rollouts(tmp_path):
 
 
 def test_tis_stats_against_float64():
-  from sparrow_jax.run.stages import rollout_is_stats
+  from sparrow_jax.run.hooks import rollout_is_stats
   rng = np.random.default_rng(0)
   old, roll = rng.normal(-2, 1, (3, 7)), rng.normal(-2, 1, (3, 7))
   mask = rng.random((3, 7)) < 0.6

@@ -151,7 +151,7 @@ def test_triton_interpret_rollouts_score_pages_with_the_kernel_and_replay_them(t
                  "page_scorer=xla", "schedule=constant:3", "ladder=constant:1",
                  "distill=true")
   assert off.attention.page_scorer == "xla" and off.engine.attention.page_scorer == "xla"
-  off._switch_schedule(off.ladder.candidate)  # what a ladder switch does: the key stays
+  off.switch_schedule(off.ladder.candidate)  # what a ladder switch does: the key stays
   assert off.schedule.budgets == (1,)
   assert off.attention.page_scorer == "xla" and off.engine.attention.page_scorer == "xla"
   with pytest.raises(ValueError, match="page_scorer='triton'"):
