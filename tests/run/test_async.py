@@ -35,6 +35,20 @@ def test_async_keys_refused_where_they_cannot_work():
   assert algorithm.loss_config(TrainConfig(max_staleness=2, rollout_is="token")).tis_cap is None
 
 
+def test_memory_plan_holds_the_pool_through_training_under_async():
+  from sparrow_jax.run.builders import model_config
+  from sparrow_jax.run.dry_run import plan_for_model
+
+  def plan(**kw):
+    cfg = get_train_config("qwen3_1p7b", [f"{k}={v}" for k, v in kw.items()])
+    return plan_for_model(cfg, model_config(cfg), 4)
+
+  held, released = plan(release_kv_cache="false"), plan()
+  asyn = plan(max_staleness=1, partial_rollouts="true")
+  assert released.pool_released and not held.pool_released and not asyn.pool_released
+  assert asyn.kv_cache_bytes == held.kv_cache_bytes < released.kv_cache_bytes
+
+
 def _batch(versions, rewards, g=4, t=6):
   """One-prompt-per-group batch: row j has `t` response tokens of versions[j] (an int or a
   per-token list)."""
@@ -146,8 +160,9 @@ def test_async_run_keeps_its_bound_and_resumes_mid_async(tmp_path):
       tr.fit()
   finally:
     producer_lib.Producer.response_budget = old
-  rows = read_jsonl(str(tmp_path / "metrics.jsonl"))
-  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+  by_step = read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert sorted(by_step) == [1, 2, 3, 4, 5]
+  rows = list(by_step.values())
   for r in rows:
     assert r["async/staleness_max"] <= 1 and r["async/over_stale_tokens"] == 0
     assert 0 < r["async/occupancy"] <= 1

@@ -1,0 +1,147 @@
+"""Synchronous against asynchronous training steps on a long-tailed response-length law.
+
+    python benchmarks/async_throughput.py                 # 3 warm-up + 8 timed steps per mode
+    python benchmarks/async_throughput.py --steps 12 --median 32
+    python benchmarks/async_throughput.py --smoke         # a few short steps (tests, < 1 min)
+
+The same config (the `tiny` preset: random-init tiny Qwen3, no warm start, dense attention)
+runs twice in one process: synchronously (`max_staleness=0`) and asynchronously
+(`max_staleness=1 partial_rollouts=true`; `--staleness N`: another N). Every request's
+response length is drawn from a lognormal law (sigma = 0.75, median `--median` tokens, so
+p99 / p50 = exp(2.326 x 0.75) ~ 5.7) through its own `max_new_tokens` with `ignore_eos=true`,
+keyed by the request's sampling seed (the async run's prompt draws use the seeds the
+synchronous steps use, so both modes see the same prompts and lengths in the same order).
+The slots hold one batch (`num_slots` = prompts_per_step x group_size), so the synchronous
+step's decode chunks run fewer and fewer sequences while its longest rollout finishes, which
+is the waste asynchronous steps remove. With the per-token bound (a step trains on no token
+older than N versions) a step still waits for every sequence started N versions ago: at N = 1
+that caps the asynchronous occupancy well below 1 on this law (BENCHMARKS.md, 2026-12-05
+async); `--staleness 2` shows the trade.
+
+Measured per mode after `--warmup` steps (compilation): trained tokens (the loss mask's
+response tokens of every step's batch) per second of wall time, with the wall time of each
+step less the part of it that was compilation (`time/compile_s`: new length buckets can still
+compile after the warm-up, on either side); engine occupancy = busy / (busy + idle)
+slot-steps of the decode chunks run during the timed steps. The realised response lengths'
+p50 / p90 / p99 are printed (trained rows of both modes). The last stdout line is one JSON
+object: {"sync_tokens_per_s", "async_tokens_per_s", "ratio", "sync_occupancy",
+"async_occupancy", "p99_over_p50", ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SIGMA = 0.75
+
+
+def lognormal_length(seed: int, median: float, cap: int) -> int:
+  """A response length from lognormal(log median, SIGMA), keyed by a request's seed."""
+  z = np.random.default_rng(int(seed) % (1 << 63)).standard_normal()
+  return int(min(max(round(median * np.exp(SIGMA * z)), 1), cap))
+
+
+def config(args, *, staleness: int, out_dir: str):
+  from sparrow_jax.run.config import get_train_config
+  keys = dict(warmstart_steps=0, distill=False, schedule="dense", page_size=8,
+              prompts_per_step=args.prompts, group_size=args.group,
+              num_slots=args.prompts * args.group, max_prompt_len=32,
+              max_new_tokens=args.max_new, decode_chunk=args.chunk, ignore_eos=True,
+              reward_workers=1, tensorboard=False, logger="none", sample_every=0,
+              num_steps=args.warmup + args.steps, out_dir=out_dir, seed=args.seed,
+              max_staleness=staleness, partial_rollouts=bool(staleness))
+  return get_train_config("tiny", [f"{k}={'null' if v is None else v}"
+                                   for k, v in keys.items()])
+
+
+def run_mode(args, staleness: int) -> dict:
+  """Train `--warmup` + `--steps` steps; the timed steps' tokens, time and occupancy."""
+  from sparrow_jax.run import producer as producer_lib
+  median, cap = args.median, args.max_new
+  default = producer_lib.Producer.response_budget
+  producer_lib.Producer.response_budget = lambda self, seed: lognormal_length(seed, median, cap)
+  try:
+    return _run(args, staleness)
+  finally:
+    producer_lib.Producer.response_budget = default
+
+
+def _run(args, staleness: int) -> dict:
+  from sparrow_jax.run.trainer import Trainer
+  with tempfile.TemporaryDirectory() as out:
+    tr = Trainer(config(args, staleness=staleness, out_dir=out), quiet=True)
+    try:
+      tokens = wall = busy = idle = 0.0
+      lengths = []
+      for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        rec = tr.run_step()
+        dt = time.perf_counter() - t0
+        tr.state.step = rec.step
+        if i < args.warmup:
+          continue
+        b = rec.batch
+        tokens += float(b.loss_mask.sum())
+        wall += dt - rec.out["time/compile_s"]
+        lengths += [len(c.token_ids) for c in b.completions]
+        if staleness:  # the engine runs inside the producer's turn: its counters per step
+          b_, i_ = tr.producer.last_slot_steps
+        else:
+          b_, i_ = tr.rollout.stats["busy_slot_steps"], tr.rollout.stats["idle_slot_steps"]
+        busy, idle = busy + b_, idle + i_
+      return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+              "occupancy": busy / max(busy + idle, 1), "lengths": lengths}
+    finally:
+      tr.close()
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--steps", type=int, default=8, help="timed steps per mode (>= 6)")
+  p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation)")
+  p.add_argument("--median", type=float, default=24.0, help="median response length")
+  p.add_argument("--max-new", type=int, default=192, help="max_new_tokens (the law's cap)")
+  p.add_argument("--prompts", type=int, default=4, help="prompts_per_step")
+  p.add_argument("--group", type=int, default=8, help="group_size")
+  p.add_argument("--chunk", type=int, default=8, help="decode_chunk")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--staleness", type=int, default=1,
+                 help="max_staleness of the asynchronous run (the issue's comparison: 1)")
+  p.add_argument("--smoke", action="store_true", help="a few short steps (tests)")
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.steps, args.warmup, args.median, args.max_new, args.prompts = 2, 1, 4.0, 24, 2
+  res = {}
+  for name, staleness in (("sync", 0), ("async", args.staleness)):
+    res[name] = run_mode(args, staleness)
+    r = res[name]
+    print(f"{name}: {r['tokens']:.0f} trained tokens in {r['wall_s']:.2f} s = "
+          f"{r['tokens_per_s']:.1f} tokens/s, occupancy {r['occupancy']:.3f}", flush=True)
+  lens = np.asarray(res["sync"]["lengths"] + res["async"]["lengths"], np.float64)
+  p50, p90, p99 = np.percentile(lens, [50, 90, 99])
+  print(f"response lengths (trained rows of both modes, n={lens.size}): p50 {p50:.0f}, "
+        f"p90 {p90:.0f}, p99 {p99:.0f}, p99/p50 {p99 / p50:.2f} (law: sigma {SIGMA}, "
+        f"median {args.median:g}, cap {args.max_new})", flush=True)
+  out = {"sync_tokens_per_s": res["sync"]["tokens_per_s"],
+         "async_tokens_per_s": res["async"]["tokens_per_s"],
+         "ratio": res["async"]["tokens_per_s"] / res["sync"]["tokens_per_s"],
+         "sync_occupancy": res["sync"]["occupancy"],
+         "async_occupancy": res["async"]["occupancy"], "p99_over_p50": p99 / p50,
+         "p50": p50, "p90": p90, "p99": p99, "timed_steps": args.steps,
+         "max_staleness": args.staleness, "smoke": args.smoke}
+  print(json.dumps(out))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
