@@ -433,6 +433,10 @@ def _check_async(cfg: TrainConfig) -> None:
   if n and cfg.arrol:
     raise ValueError(f"max_staleness={n} with arrol=true: not supported (ARRoL decides a "
                      "group's pruning inside one synchronous rollout)")
+  if n and cfg.val_every:
+    raise ValueError(f"max_staleness={n} with val_every={cfg.val_every}: validation mid-run "
+                     "would generate in the KV pool the rollout session's running sequences "
+                     "hold; use val_every=0 (validation at the end only)")
 
 
 _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=2048,

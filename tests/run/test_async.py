@@ -24,7 +24,8 @@ def test_async_keys_refused_where_they_cannot_work():
                   (dict(rollout_devices=4, max_staleness=1), "rollout_devices=4: not supported"),
                   (dict(max_staleness=1, dynamic_sampling=True), "dynamic_sampling"),
                   (dict(max_staleness=1, arrol=True, max_new_tokens=64), "arrol=true"),
-                  (dict(max_staleness=1, partial_rollout_kv="drop"), "partial_rollout_kv")):
+                  (dict(max_staleness=1, partial_rollout_kv="drop"), "partial_rollout_kv"),
+                  (dict(max_staleness=1, val_every=5), "val_every=5")):
     with pytest.raises(ValueError, match=msg):
       TrainConfig(**kw)
   # the pool lives through training; the behaviour weight is capped unless a key says
