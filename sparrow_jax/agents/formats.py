@@ -120,14 +120,21 @@ def _json_call(body: str) -> ToolCall | str:
 
 
 class PlainFormat:
-  """`<tool NAME TEXT>` calls and `<result TEXT>` responses, for byte-level models."""
+  """`<tool NAME TEXT>` calls and `<result TEXT>` responses, for byte-level models.
+
+  `pad_to` > 0 (`tool_format=plain_padded`): each response is left-aligned in a field of
+  `pad_to` characters (spaces after it), so that a response's i-th character sits at the same
+  distance from the i-th character of an answer that repeats it, whatever the response's
+  length: a tiny byte-level model then copies with one fixed-offset attention pattern."""
 
   name = "plain"
 
   def __init__(self, main_args: Mapping[str, str] | None = None, *, open_tag: str = "<tool ",
-               close: str = ">", result_open: str = "<result ", result_close: str = ">"):
+               close: str = ">", result_open: str = "<result ", result_close: str = ">",
+               pad_to: int = 0):
     # main_args: tool name -> the argument the call's text fills (default "input").
     self.main_args = dict(main_args or {})
+    self.pad_to = pad_to
     self.open_tag, self.close = open_tag, close
     self.result_open, self.result_close = result_open, result_close
     self.stop_strings = (close,)
@@ -164,8 +171,8 @@ class PlainFormat:
     return f"{self.open_tag}{call.name} {arg}{self.close}"
 
   def render_responses(self, turn_text: str, responses: Sequence[str]) -> str:
-    return "".join(f"{self.result_open}{r.replace(self.result_close, ' ')}{self.result_close}"
-                   for r in responses)
+    return "".join(f"{self.result_open}{r.replace(self.result_close, ' ').ljust(self.pad_to)}"
+                   f"{self.result_close}" for r in responses)
 
   def final_text(self, text: str) -> str:
     i = text.rfind(self.result_open)
@@ -175,15 +182,16 @@ class PlainFormat:
     return text[j + len(self.result_close):] if j >= 0 else ""
 
 
-FORMATS = {"qwen3": Qwen3Format, "plain": PlainFormat}
+FORMATS = ("qwen3", "plain", "plain_padded")
 
 
-def make_format(name: str, registry=None):
-  """The format called `name` (`plain` learns the tools' main arguments from `registry`)."""
+def make_format(name: str, registry=None, *, pad_to: int = 0):
+  """The format called `name` (`plain*` learn the tools' main arguments from `registry`;
+  `plain_padded` pads responses to `pad_to` characters)."""
   if name not in FORMATS:
-    raise ValueError(f"unknown tool_format {name!r}; expected one of {sorted(FORMATS)}")
-  if name == "plain":
+    raise ValueError(f"unknown tool_format {name!r}; expected one of {list(FORMATS)}")
+  if name.startswith("plain"):
     main = {} if registry is None else {n: registry[n].main_arg or "input"
                                         for n in registry.names}
-    return PlainFormat(main)
+    return PlainFormat(main, pad_to=pad_to if name == "plain_padded" else 0)
   return Qwen3Format()

@@ -8,14 +8,16 @@ then goes on from the whole context. A trajectory ends at a turn without a call,
 environment tokens together) is spent. tunix's trajectory collector and verl's agent loop
 play the same part.
 
-Each round sends every live trajectory to `generate` as one request whose prompt is the
-original prompt + the trajectory so far, with the same sampling seed: the engine samples the
-token at position p from `fold_in(key(seed), p)`, so a trajectory's tokens do not depend on
-how its turns were split into rounds. The engine recomputes the context's KV by a prefill at
-each round (a long-lived engine session that appends the environment's tokens into the
-sequence's own pages would not). The context is prefilled as a prompt (dense attention),
-so with a block-sparse actor the tokens of turn 2 on are sampled from a policy whose earlier
-turns were read densely: the log-probs are still exactly those the tokens were sampled from.
+Each round sends every live trajectory to `generate` as one request: the original prompt,
+the trajectory so far as its context (`Request.context_ids`), the same sampling seed and the
+whole response budget. The engine samples the token at position p from
+`fold_in(key(seed), p)`, so a trajectory's tokens do not depend on how its turns were split
+into rounds, and it prefills the context as it readmits a preempted sequence (block-sparse
+attention beyond the prompt, as decode attended), so every policy token's log-prob is the one
+a teacher-forced sparse forward of the whole trajectory gives at its position (the
+recompute's convention: the prompt dense, everything after it as decode). The context's KV is
+recomputed at each round: appending the environment's tokens into a paused sequence's own
+pages without recomputing its history is not built.
 
 The result is one `Completion` per request, in request order: `token_ids` every response token
 (policy and environment), `logprobs` the policy's (0 on environment tokens), `loss_mask` 1 on
@@ -129,27 +131,31 @@ class AgentLoop:
 
   def _turn_request(self, t: _Traj) -> Request:
     s = t.req.sampling
-    prompt = np.concatenate([np.asarray(t.req.prompt_ids, np.int32),
-                             np.asarray(t.ids, np.int32)])
     sampling = dataclasses.replace(
-        s, max_new_tokens=s.max_new_tokens - len(t.ids),
-        stop_token_ids=tuple(sorted(set(s.stop_token_ids) | set(self.stop_ids))))
-    return Request(prompt, sampling, t.req.request_id, t.req.group)
+        s, stop_token_ids=tuple(sorted(set(s.stop_token_ids) | set(self.stop_ids))))
+    return Request(t.req.prompt_ids, sampling, t.req.request_id, t.req.group,
+                   context_ids=tuple(t.ids))
 
   def _absorb(self, t: _Traj, c: Completion) -> bool:
     """Adds a round's tokens to `t`; runs the turn's tools. True: the trajectory goes on."""
-    n = len(c.token_ids)
-    t.ids += [int(x) for x in c.token_ids]
-    t.logp += [float(x) for x in c.logprobs]
+    k = len(t.ids)  # the completion leads with the context it was given
+    if [int(x) for x in c.token_ids[:k]] != t.ids:
+      raise RuntimeError(f"request {t.req.request_id!r}: the completion does not start with "
+                         "its context tokens")
+    new = slice(k, None)
+    n = len(c.token_ids) - k
+    t.ids += [int(x) for x in c.token_ids[new]]
+    t.logp += [float(x) for x in c.logprobs[new]]
     t.mask += [1] * n
     t.preemptions += c.preemptions
     if self.topk:
-      t.topk_ids.append(np.asarray(c.topk_ids, np.int32).reshape(n, self.topk))
-      t.topk_lp.append(np.asarray(c.topk_logprobs, np.float32).reshape(n, self.topk))
+      t.topk_ids.append(np.asarray(c.topk_ids, np.int32)[new].reshape(n, self.topk))
+      t.topk_lp.append(np.asarray(c.topk_logprobs, np.float32)[new].reshape(n, self.topk))
     t.record.policy_tokens += n
     budget = t.req.sampling.max_new_tokens - len(t.ids)
     text = self.codec.decode(t.ids[t.turn_start:])
-    stopped_on_format = c.finish_reason == "stop" and n and int(c.token_ids[-1]) in self.stop_ids
+    stopped_on_format = (c.finish_reason == "stop" and n > 0
+                         and int(c.token_ids[-1]) in self.stop_ids)
     if stopped_on_format and not self.fmt.turn_complete(text) and budget > 0:
       return True  # a stop character inside the turn: the same turn goes on
     t.record.turns += 1

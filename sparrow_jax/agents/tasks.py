@@ -50,7 +50,9 @@ def demo_responses(examples: Sequence, fmt, registry: ToolRegistry, *, frac: flo
     if expr is None:
       raise ValueError(f"example {e.id!r} has no metadata['expression']: tool demonstrations "
                        "are made for the synthetic arithmetic task (data=synthetic:arithmetic)")
-    out.append(demo_segments(expr, e.answer, fmt, registry, use_tool=bool(u)))
+    # (the padded template's field keeps the call at a fixed distance from the prompt)
+    out.append(demo_segments(e.metadata.get("field", expr), e.answer, fmt, registry,
+                             use_tool=bool(u)))
   return out
 
 

@@ -137,6 +137,12 @@ class Request:
   sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
   request_id: Any = None
   group: Any = None  # prompt group (GRPO): pruning decides per group
+  # Tokens after the prompt the sequence already holds (a multi-turn continuation: earlier
+  # policy turns and the environment's tokens). They are prefilled as a readmission after
+  # preemption is (block-sparse attention beyond the prompt, like decode), count against
+  # max_new_tokens, and lead the completion's token_ids with log-prob 0; generation goes on
+  # after them.
+  context_ids: Sequence[int] = ()
 
 
 @dataclasses.dataclass

@@ -116,6 +116,16 @@ def _gather_remote(tree):
   return jax.tree.unflatten(treedef, leaves)
 
 
+def _seed_context(seqs) -> None:
+  """A continuation starts holding its context tokens (`Request.context_ids`) as generated
+  tokens: its admission prefills them like a readmission's."""
+  for s in seqs:
+    k = len(s.req.context_ids)
+    if k:
+      s.tokens[:k] = np.asarray(s.req.context_ids, np.int32)
+      s.num_tokens = k
+
+
 def _report_finished(done: dict, reported: set[int], on_finish) -> set[int]:
   """Hand every completion in `done` not reported yet to `on_finish` (index order)."""
   for i in sorted(done.keys() - reported):
@@ -352,11 +362,22 @@ class GenerationEngine(DeviceSteps):
       if bad:
         raise ValueError(f"request {r.request_id!r}: token ids {bad[:5]} outside the "
                          f"vocabulary [0, {vocab})")
+      k = len(r.context_ids)
+      if k and (k >= r.sampling.max_new_tokens or n + k >= cfg.max_seq_len):
+        raise ValueError(
+            f"request {r.request_id!r}: {k} context tokens leave no token to generate "
+            f"(max_new_tokens={r.sampling.max_new_tokens}, prompt {n}, max_seq_len="
+            f"{cfg.max_seq_len})")
+      bad = [t for t in r.context_ids if not 0 <= int(t) < vocab]
+      if bad:
+        raise ValueError(f"request {r.request_id!r}: context token ids {bad[:5]} outside the "
+                         f"vocabulary [0, {vocab})")
       stop = set(r.sampling.stop_token_ids)
       if not r.sampling.ignore_eos:
         stop.update(self.model_config.eos_token_ids)
       seq = SeqState(req=r, index=i, stop_ids=frozenset(stop),
-                     max_len=min(n + r.sampling.max_new_tokens, cfg.max_seq_len))
+                     max_len=min(n + r.sampling.max_new_tokens, cfg.max_seq_len),
+                     continued=k > 0)
       need, cap = sched.max_pages_of(seq), sched.allocators[0].capacity
       if need > cap:
         raise ValueError(
@@ -436,6 +457,7 @@ class GenerationEngine(DeviceSteps):
                         cfg.logprobs_topk)
     for s in seqs:
       s.tokens = out.tokens[s.index]  # the sequence's row of the token buffer (a view)
+    _seed_context(seqs)
     run = _Run(sched=sched, seqs=seqs, table=RequestTable(seqs, self.model_config.vocab_size),
                out=out, budgets=self._table(), lora=self._replicate(lora), prune=prune)
     run.counts.update(dict.fromkeys(_COUNTS, 0))  # every stat present, even when zero
@@ -470,6 +492,7 @@ class GenerationEngine(DeviceSteps):
           s.tokens = run.out.tokens[s.index]
     for s in seqs:
       s.tokens = run.out.tokens[s.index]
+    _seed_context(seqs)
     run.table.put(seqs)
     run.seqs.extend([None] * (rows - len(run.seqs)))
     for s in seqs:
@@ -488,8 +511,8 @@ class GenerationEngine(DeviceSteps):
     if admitted:
       # A readmission's long context would pad every fresh prompt of its batch to its length
       # (and send them through the teacher-forced sparse path): it gets its own batch.
-      for group in ([s for s in admitted if s.preemptions],
-                    [s for s in admitted if not s.preemptions]):
+      for group in ([s for s in admitted if s.recomputes],
+                    [s for s in admitted if not s.recomputes]):
         for part in self._prefill_batches(group):
           self._prefill(run, part)
       if run.tracker is not None:  # a group's last member may have ended in its prefill
@@ -553,7 +576,7 @@ class GenerationEngine(DeviceSteps):
         page_rows[r, :min(len(s.pages), width)] = s.pages[:width]
         order[r], row_seq[r] = s, s.index
     # A readmitted sequence recomputes its generated tokens as decode attended to them.
-    readmit = any(s.preemptions for s in admitted)
+    readmit = any(s.recomputes for s in admitted)
     # Fresh prompts attend densely, through the decode backend's prefill path where it has
     # one (`backend="cpu"`: the C++ causal kernel; others: `train_backend`'s default).
     attention = (self.attention if readmit and isinstance(self.attention, attn_lib.BlockSparse)

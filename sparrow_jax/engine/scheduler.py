@@ -102,6 +102,7 @@ class SeqState:
   length: int = 0  # tokens held in the cache (host mirror of cache.lengths)
   admitted_at: int = -1  # admission counter (preemption takes the largest)
   preemptions: int = 0
+  continued: bool = False  # starts from context tokens (`Request.context_ids`)
   prefilled: int = 0  # tokens the last admission prefills
   decoded: bool = False  # a decode step ran since the last admission
   extra: dict = dataclasses.field(default_factory=dict)  # hooks' per-sequence state
@@ -109,6 +110,12 @@ class SeqState:
   @property
   def prompt_len(self) -> int:
     return len(self.req.prompt_ids)
+
+  @property
+  def recomputes(self) -> bool:
+    """Its admission prefills tokens after the prompt (a readmission, a continuation): they
+    are recomputed as decode attended to them."""
+    return self.preemptions > 0 or self.continued
 
   @property
   def context_len(self) -> int:

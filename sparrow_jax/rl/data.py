@@ -353,7 +353,7 @@ class PromptDataset:
 # ----------------------------------------------------------------------------- synthetic tasks
 
 _OPERATIONS = ("+", "-", "*")
-_TEMPLATES = ("boxed", "raw")
+_TEMPLATES = ("boxed", "raw", "padded")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -364,7 +364,10 @@ class ArithmeticConfig:
   joined by operators drawn from `operations` (standard precedence: `*` before `+`/`-`).
   `template="boxed"` asks for the answer in `\\boxed{}` (scored by `math_verify` or
   `boxed_exact`); `template="raw"` is `"37+48="` -> `"85"` (scored by `exact_match`), the form a
-  tiny character/byte-level model learns in a few hundred steps.
+  tiny character/byte-level model learns in a few hundred steps; `template="padded"` is `raw`
+  with the expression left-aligned in a field of the longest expression's width (`"37+5 ="`):
+  every character then sits at a fixed distance from where a tool call repeats it
+  (`metadata["field"]`), which a tiny byte-level model copies easily (the `tiny_tools` task).
   """
 
   min_digits: int = 1
@@ -439,10 +442,15 @@ def arithmetic_example(rng: np.random.Generator, cfg: ArithmeticConfig,
     prompt = f"Compute {expr}. Put the final answer in \\boxed{{}}."
     solution = f"\\boxed{{{answer}}}"
   else:
-    prompt = f"{expr}="
+    field = expr
+    if cfg.template == "padded":
+      field = expr.ljust(cfg.num_operands * (cfg.max_digits + 1) - 1)
+    prompt = f"{field}="
     solution = answer
-  return PromptExample(prompt=prompt, answer=answer, id=ex_id,
-                       metadata={"task": "arithmetic", "expression": expr, "solution": solution})
+  meta = {"task": "arithmetic", "expression": expr, "solution": solution}
+  if cfg.template == "padded":
+    meta["field"] = field
+  return PromptExample(prompt=prompt, answer=answer, id=ex_id, metadata=meta)
 
 
 def arithmetic_examples(num_examples: int, *, seed: int = 0,

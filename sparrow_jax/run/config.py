@@ -33,7 +33,7 @@ _CHOICES = {"lr_schedule": ("constant", "cosine"), "landmark": ("mean", "quest")
             "kl_kind": ("k1", "k2", "k3", "low_var_kl"),
             "distill_kind": ("k3", "reverse_kl_full"),
             "dtype": ("float32", "bfloat16"), "param_dtype": ("float32", "bfloat16"),
-            "arith_template": ("boxed", "raw"),
+            "arith_template": ("boxed", "raw", "padded"),
             "attention_backend": ("auto", "xla", "pallas", "pallas_interpret", "pallas_tpu",
                                   "pallas_tpu_interpret", "cpu"),
             "cpu_decode_weights": ("", "float32", "bfloat16"),
@@ -199,7 +199,8 @@ class TrainConfig:
   arrol_steer: str = "paper"  # paper | signed (see rl/arrol.py: the paper's rule and ours)
   # Multi-turn tool use (issue 49, sparrow_jax/agents): "" = single-turn rollouts
   tools: str = ""  # comma-separated: calculator, python
-  tool_format: str = "qwen3"  # qwen3 (<tool_call>{json}</tool_call>) | plain (<tool NAME TEXT>)
+  # qwen3 (<tool_call>{json}</tool_call>) | plain (<tool NAME TEXT>) | plain_padded
+  tool_format: str = "qwen3"
   max_turns: int = 4  # policy turns per trajectory (a call in the last one is not run)
   max_tool_response_tokens: int = 256  # each tool response cut to this many tokens
   tool_timeout_s: float = 5.0  # the Python tool's wall-clock limit per call
@@ -469,8 +470,8 @@ def _check_tools(cfg: TrainConfig) -> None:
   known = ("calculator", "python")
   if not names or any(n not in known for n in names):
     raise ValueError(f"tools={cfg.tools!r}: expected a comma-separated subset of {known}")
-  if cfg.tool_format not in ("qwen3", "plain"):
-    raise ValueError(f"tool_format={cfg.tool_format!r}: expected qwen3 or plain")
+  if cfg.tool_format not in ("qwen3", "plain", "plain_padded"):
+    raise ValueError(f"tool_format={cfg.tool_format!r}: expected qwen3, plain or plain_padded")
   for f in ("max_turns", "max_tool_response_tokens"):
     if getattr(cfg, f) < 1:
       raise ValueError(f"{f}={getattr(cfg, f)!r}: expected a positive integer")
@@ -510,17 +511,20 @@ PRESETS: dict[str, TrainConfig] = {
         out_dir="runs/tiny", tensorboard=True, mismatch_bin_size=8, monitor_topk=8,
         probe_every=4, arrol_detect_len=1, arrol_warmup_steps=10),
     # Multi-turn tool use (issue 49): 4-6 digit sums and products, which the tiny model
-    # cannot compute but can copy into a calculator call (`<tool calculator 1234*5678>`) and
-    # copy the result (`<result 7006652>`) into its answer. The warm start shows the tool on
-    # 30% of its demonstrations; GRPO rewards the exact answer, so it learns to call it.
+    # cannot compute but can copy into a calculator call (`<tool calculator 1234*5678    >`)
+    # and copy the result (`<result 7006652         >`) into its answer. The expression and
+    # the result sit in fixed-width fields (arith_template=padded, tool_format=plain_padded),
+    # so both copies are fixed-offset attention patterns a 2-layer model learns in a few
+    # hundred steps (unpadded: ~3% right after 750 warm-start steps). The warm start shows the
+    # tool on half of its demonstrations; GRPO rewards the exact answer.
     "tiny_tools": TrainConfig(
         model="tiny", arith_min_digits=4, arith_max_digits=6, arith_ops="+*",
-        arith_template="raw", num_examples=2000, reward="exact_match", prompts_per_step=16,
+        arith_template="padded", num_examples=2000, reward="exact_match", prompts_per_step=16,
         group_size=8, max_prompt_len=32, max_new_tokens=64, temperature=1.0,
         schedule="constant:4", page_size=4, dense_layers="0", num_slots=128, decode_chunk=8,
-        num_steps=40, lr=1e-3, max_grad_norm=1.0, warmstart_steps=300, warmstart_lr=3e-3,
-        warmstart_batch=32, tools="calculator", tool_format="plain", max_turns=2,
-        max_tool_response_tokens=24, tool_demo_frac=0.3, out_dir="runs/tiny_tools",
+        num_steps=40, lr=1e-3, max_grad_norm=1.0, warmstart_steps=500, warmstart_lr=3e-3,
+        warmstart_batch=32, tools="calculator", tool_format="plain_padded", max_turns=2,
+        max_tool_response_tokens=16, tool_demo_frac=0.5, out_dir="runs/tiny_tools",
         mismatch_bin_size=16, monitor_topk=8, sample_every=10),
     "smollm2_135m": TrainConfig(
         model="smollm2_135m", arith_min_digits=1, arith_max_digits=2, arith_template="boxed",

@@ -30,8 +30,10 @@ KEY_DOCS: dict[str, str] = {
     "arith_min_digits": "Synthetic arithmetic: fewest digits of an operand.",
     "arith_max_digits": "Synthetic arithmetic: most digits of an operand.",
     "arith_ops": "Synthetic arithmetic: the operators drawn from, e.g. `+-*`.",
-    "arith_template": "Synthetic arithmetic prompt: `boxed` (asks for \\boxed{}) or `raw` "
-                      "(`8+6=` -> `14`, what a byte-level tiny model can learn).",
+    "arith_template": "Synthetic arithmetic prompt: `boxed` (asks for \\boxed{}), `raw` "
+                      "(`8+6=` -> `14`, what a byte-level tiny model can learn) or `padded` "
+                      "(`raw` with the expression left-aligned in a fixed-width field: a "
+                      "tool call repeats it at a fixed distance; tiny_tools).",
     "num_examples": "Synthetic arithmetic: number of distinct prompts generated.",
     "reward": "Verifier: math_verify | boxed_exact | boxed_or_last_number | exact_match, a "
               "registered name, `module:function` or `file.py:function` (verl: "
@@ -242,7 +244,9 @@ KEY_DOCS: dict[str, str] = {
              "rollouts (sparrow_jax/agents; verl: actor_rollout_ref.rollout.multi_turn).",
     "tool_format": "How a turn calls a tool: qwen3 (`<tool_call>{json}</tool_call>` and the "
                    "chat template's `<tool_response>` turn) | plain (`<tool NAME TEXT>` -> "
-                   "`<result TEXT>`, for byte-tokenizer models).",
+                   "`<result TEXT>`, for byte-tokenizer models) | plain_padded (plain, each "
+                   "response left-aligned in a field of max_tool_response_tokens characters, "
+                   "so a tiny model copies it with a fixed-offset attention; tiny_tools).",
     "max_turns": "Policy turns per trajectory; a call in the last turn is not executed "
                  "(verl: multi_turn.max_assistant_turns).",
     "max_tool_response_tokens": "Each tool response is cut to this many tokens before it "

@@ -291,7 +291,8 @@ def make_agent_loop(cfg, tokenizer) -> AgentLoop | None:
     return None
   reg = build_registry(cfg.tools, max_output_chars=8 * cfg.max_tool_response_tokens,
                        python_timeout_s=cfg.tool_timeout_s)
-  return AgentLoop(make_format(cfg.tool_format, reg), reg, tokenizer, max_turns=cfg.max_turns,
+  fmt = make_format(cfg.tool_format, reg, pad_to=cfg.max_tool_response_tokens)
+  return AgentLoop(fmt, reg, tokenizer, max_turns=cfg.max_turns,
                    max_tool_response_tokens=cfg.max_tool_response_tokens,
                    topk=cfg.monitor_topk)
 

@@ -44,7 +44,7 @@ def warmstart_pairs(cfg, tokenizer, examples, eos: int | None) -> list[tuple]:
 
 def _tool_pairs(cfg, tokenizer, examples, eos: int | None) -> list[tuple]:
   reg = build_registry(cfg.tools, python_timeout_s=cfg.tool_timeout_s)
-  fmt = make_format(cfg.tool_format, reg)
+  fmt = make_format(cfg.tool_format, reg, pad_to=cfg.max_tool_response_tokens)
   codec = TextCodec(tokenizer)
   demos = demo_responses(examples, fmt, reg, frac=cfg.tool_demo_frac, seed=cfg.seed + 2)
   return [(encode_prompt(tokenizer, e, cfg.chat_template), *encode_segments(d, codec.encode, eos))

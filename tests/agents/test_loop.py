@@ -17,22 +17,24 @@ EOS = 2
 def scripted(turns_by_request):
   """A `generate` whose request r answers its k-th call with turns_by_request[r][k] (text;
   ending at EOS unless it ends with the plain format's '>'), stopping at the first stop id
-  like the engine; records the prompts it was given."""
+  and leading with the request's context like the engine; records what it was given."""
   calls = {}
   seen = []
 
   def generate(reqs):
     out = []
     for r in reqs:
-      seen.append((r.request_id, list(r.prompt_ids), r.sampling))
+      seen.append((r.request_id, list(r.prompt_ids), r.sampling, list(r.context_ids)))
+      ctx = list(r.context_ids)
+      budget = r.sampling.max_new_tokens - len(ctx)
       k = calls.get(r.request_id, 0)
       calls[r.request_id] = k + 1
       text = turns_by_request[r.request_id][k]
       ids = TOK.encode(text, add_bos=False) + ([] if text.endswith(">") else [EOS])
       stop = set(r.sampling.stop_token_ids) | {EOS}
       cut = next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))
-      reason = "stop" if cut <= r.sampling.max_new_tokens and ids[cut - 1] in stop else "length"
-      ids = ids[:min(cut, r.sampling.max_new_tokens)]
+      reason = "stop" if cut <= budget and ids[cut - 1] in stop else "length"
+      ids = ctx + ids[:min(cut, budget)]
       n = len(ids)
       out.append(Completion(request_id=r.request_id, prompt_ids=np.asarray(r.prompt_ids),
                             token_ids=np.asarray(ids, np.int32),
@@ -68,11 +70,11 @@ def test_two_turn_trajectory_masks_environment_tokens():
   assert np.all(c.logprobs[np.asarray(want_mask) == 0] == 0)
   assert c.topk_ids.shape == (len(want_mask), 2) and c.finish_reason == "stop"
   assert TOK.decode(final_answer_ids(c)) == "408"
-  # round 2 of request 0: the prompt is the original prompt + the trajectory so far, the
-  # same seed, a budget less what was used, the format's stop id added
-  rid, prompt, sp = seen[2]
-  assert rid == 0 and prompt == TOK.encode("12*34=") + call + env
-  assert sp.seed == 7 and sp.max_new_tokens == 200 - len(call) - len(env)
+  # round 2 of request 0: the original prompt, the trajectory so far as its context, the
+  # same seed and budget, the format's stop id added
+  rid, prompt, sp, ctx = seen[2]
+  assert rid == 0 and prompt == TOK.encode("12*34=") and ctx == call + env
+  assert sp.seed == 7 and sp.max_new_tokens == 200
   assert TOK.encode(">", add_bos=False)[0] in sp.stop_token_ids
   r0, r1 = loop.last_records
   assert (r0.turns, r0.tool_calls, r0.tool_errors, r0.env_tokens) == (2, 1, 0, len(env))

@@ -17,7 +17,8 @@ TOK = ByteTokenizer()
 
 def test_tiny_tools_task_is_4_to_6_digit_sums_and_products_with_exact_answers():
   cfg = get_train_config("tiny_tools")
-  assert (cfg.tools, cfg.tool_format, cfg.reward) == ("calculator", "plain", "exact_match")
+  assert (cfg.tools, cfg.tool_format, cfg.reward) == ("calculator", "plain_padded",
+                                                      "exact_match")
   exs = build_examples(cfg)
   ops = set()
   for e in exs[:200]:
@@ -27,7 +28,8 @@ def test_tiny_tools_task_is_4_to_6_digit_sums_and_products_with_exact_answers():
     a, b = expr.split(op)
     assert 4 <= len(a) <= 6 and 4 <= len(b) <= 6, expr
     assert e.answer == calculate(expr) == str(int(a) * int(b) if op == "*" else int(a) + int(b))
-    assert e.prompt == expr + "="
+    # the padded template: the expression left-aligned in a 13-character field
+    assert e.prompt == expr.ljust(13) + "=" and e.metadata["field"] == expr.ljust(13)
   assert ops == {"*", "+"}
 
 
@@ -59,15 +61,16 @@ def test_warmstart_pairs_carry_the_demonstration_mask():
   for (p, r, m), e in zip(pairs, exs):
     assert TOK.decode(p) == e.prompt and len(r) == len(m)
     env = TOK.decode([t for t, k in zip(r, m) if k == 0])
-    assert env == f"<result {e.answer}>"
-    assert TOK.decode([t for t, k in zip(r, m) if k == 1]).endswith(e.answer)
+    assert env == f"<result {e.answer.ljust(16)}>"  # padded to max_tool_response_tokens
+    pol = TOK.decode([t for t, k in zip(r, m) if k == 1])
+    assert pol == f"<tool calculator {e.metadata['field']}>{e.answer}"
   plain = warmstart_pairs(get_train_config("tiny"), TOK, exs, eos=2)
   assert all(len(x) == 2 for x in plain)  # single-turn runs keep their pairs
 
 
 @pytest.mark.parametrize("kw,msg", [
     (["tools=calculator,abacus"], "tools='calculator,abacus': expected a comma-separated"),
-    (["tool_format=xml"], "tool_format='xml': expected qwen3 or plain"),
+    (["tool_format=xml"], "tool_format='xml': expected qwen3, plain or plain_padded"),
     (["max_turns=0"], "max_turns=0: expected a positive integer"),
     (["tool_timeout_s=0"], "tool_timeout_s=0"),
     (["tool_demo_frac=1.5"], "tool_demo_frac=1.5"),

@@ -193,6 +193,12 @@ def test_plain_format():
   assert fmt.final_text("<tool calculator 1*2><result 2>2") == "2"
   with pytest.raises(ValueError, match="unknown tool_format"):
     F.make_format("xml")
+  # plain_padded: responses left-aligned in a fixed field, so that the i-th character of a
+  # response is always the same distance from the i-th character of an answer repeating it
+  padded = F.make_format("plain_padded", T.build_registry("calculator"), pad_to=8)
+  assert padded.render_responses("", ["42"]) == "<result 42      >"
+  assert padded.render_responses("", ["123456789"]) == "<result 123456789>"
+  assert padded.final_text("<tool calculator 6*7><result 42      >42") == "42"
 
 
 # A Qwen3-layout chat template (tool messages in one user turn as <tool_response> blocks, the
