@@ -17,6 +17,8 @@ import difflib
 import typing
 from typing import Any, Mapping, Sequence
 
+from sparrow_jax.run import config_file
+
 
 _ARROL_KEYS = {"mode": "arrol_mode", "keep_rate": "arrol_keep_rate", "target": "arrol_target",
                "lam": "arrol_lambda", "p_min": "arrol_p_min", "p_max": "arrol_p_max",
@@ -620,9 +622,10 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 def get_train_config(name: str, overrides: Sequence[str] = ()) -> TrainConfig:
   """A preset by name, or a YAML/JSON config file (`run/config_file.py`; a run's own
   config.json too), with `key=value` overrides on top."""
-  from sparrow_jax.run import config_file
   if name not in PRESETS and config_file.is_config_file(name):
-    return config_file.load_config_file(name, parse_overrides(overrides))
+    return config_file.load_config_file(name, parse_overrides(overrides),
+                                        config_cls=TrainConfig, presets=PRESETS,
+                                        parse_value=_parse_value, close_keys=close_keys)
   if name not in PRESETS:
     raise ValueError(f"unknown training preset {name!r}; valid presets: {sorted(PRESETS)} "
                      "(or a .yaml/.json config file)")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
-from typing import Any
+from typing import Any, Callable
 
 PRESET_KEY = "preset"
 EXTENSIONS = (".yaml", ".yml", ".json")
@@ -57,12 +57,12 @@ def _read_mapping(path: str) -> tuple[dict[str, Any], dict[str, int]]:
   return data, lines
 
 
-def _coerce(field: dataclasses.Field, value: Any, where: str) -> Any:
-  """A file value as the field's type: strings parse as on the command line (`1e-6`, `true`),
-  ints widen to floats; anything else of the wrong type is an error."""
-  from sparrow_jax.run.config import TrainConfig, _parse_value
-
-  tp = typing.get_type_hints(TrainConfig)[field.name]
+def _coerce(field: dataclasses.Field, value: Any, where: str, hints: dict,
+            parse_value: Callable) -> Any:
+  """A file value as the field's type (`hints`: the config class's type hints): strings parse
+  as on the command line (`parse_value`: `1e-6`, `true`), ints widen to floats; anything else
+  of the wrong type is an error."""
+  tp = hints[field.name]
   args = typing.get_args(tp)
   optional = type(None) in args
   base = next((a for a in args if a is not type(None)), tp) if args else tp
@@ -72,7 +72,7 @@ def _coerce(field: dataclasses.Field, value: Any, where: str) -> Any:
     raise ValueError(f"{where}: {field.name}: null is not allowed; expected {base.__name__}")
   if isinstance(value, str) and base is not str:
     try:
-      return _parse_value(field, value)
+      return parse_value(field, value)
     except ValueError as e:
       raise ValueError(f"{where}: {e}") from None
   if base is bool and isinstance(value, bool):
@@ -89,16 +89,18 @@ def _coerce(field: dataclasses.Field, value: Any, where: str) -> Any:
                    + (" or null" if optional else ""))
 
 
-def load_config_file(path: str, overrides: dict[str, Any] | None = None):
-  """The `TrainConfig` a YAML/JSON file describes, `overrides` (parsed `key=value`) on top."""
-  from sparrow_jax.run.config import PRESETS, TrainConfig, close_keys
-
+def load_config_file(path: str, overrides: dict[str, Any] | None, *, config_cls: type,
+                     presets: dict, parse_value: Callable, close_keys: Callable):
+  """The config a YAML/JSON file describes, `overrides` (parsed `key=value`) on top.
+  `config_cls` (TrainConfig), `presets`, `parse_value` and `close_keys` come from
+  `run/config.py`, which calls this (this module imports nothing of the package)."""
   data, lines = _read_mapping(path)
-  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  fields = {f.name: f for f in dataclasses.fields(config_cls)}
+  hints = typing.get_type_hints(config_cls)
   preset = data.pop(PRESET_KEY, "tiny")
-  if preset not in PRESETS:
+  if preset not in presets:
     raise ValueError(f"{path}:{lines.get(PRESET_KEY, 1)}: preset={preset!r}: unknown training "
-                     f"preset; valid presets: {sorted(PRESETS)}")
+                     f"preset; valid presets: {sorted(presets)}")
   values = {}
   for key, value in data.items():
     where = f"{path}:{lines.get(key, 1)}"
@@ -107,9 +109,9 @@ def load_config_file(path: str, overrides: dict[str, Any] | None = None):
       hint = f" (did you mean {close[0]}?)" if close else ""
       raise ValueError(f"{where}: unknown config key {key!r}{hint}; `python "
                        "experiments/train.py --list-keys` lists every key")
-    values[key] = _coerce(fields[key], value, where)
+    values[key] = _coerce(fields[key], value, where, hints, parse_value)
   values.update(overrides or {})
   try:
-    return PRESETS[preset].replace(**values)
+    return presets[preset].replace(**values)
   except ValueError as e:
     raise ValueError(f"{path}: {e}") from None
