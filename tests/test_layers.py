@@ -7,7 +7,8 @@ import pathlib
 import pytest
 
 # Bottom to top: a module may import from its own layer and the layers before it.
-LAYERS = ("cpu_kernels", "pallas_kernels", "models", "schedule", "engine", "rl", "calibration", "run")
+LAYERS = ("cpu_kernels", "pallas_kernels", "models", "schedule", "engine", "agents", "rl",
+          "calibration", "run")
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "sparrow_jax"
 
 
