@@ -10,12 +10,14 @@ the same step.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from typing import Any
 
 from sparrow_jax.run import distributed
 from sparrow_jax.run import fit_hooks
+from sparrow_jax.run import signal_check
 from sparrow_jax.run.metrics import MetricsLogger
 
 
@@ -81,9 +83,14 @@ def _fit_steps(tr, logger: MetricsLogger) -> dict[str, Any]:
         stop.signame = agreed
         _stop(tr, logger, agreed)
     logger.phase("compiling")  # the first step of a process compiles every stage
+    check = signal_check.ZeroSignalCheck(cfg.reward, first_k=max(1, min(
+        5, cfg.num_steps - tr.step)))
     while tr.step < cfg.num_steps:
       stop.step = tr.step + 1
       metrics = tr.train_step()
+      warning = signal_check.observe_step(check, tr, metrics)
+      if warning:  # (once: every reward 0, or no group with signal, in the first steps)
+        logging.getLogger(signal_check.__name__).warning(warning)
       logger.phase("rollout/update")
       _after_step(tr, logger, metrics)
       # Every process stops after the same step: a signal on any one counts for all. A

@@ -300,6 +300,10 @@ def summarize(history: list[Mapping[str, Any]], window: int = 3) -> dict[str, An
       # Steps whose mismatch monitor found a position bin with p5 below tau (see rl/monitor).
       **({"steps_below_tau": sum(1 for h in rl if (h.get("mismatch/bins_below_tau") or 0) > 0)}
          if any("mismatch/bins_below_tau" in h for h in rl) else {}),
+      # Groups whose rewards were all equal (no GRPO signal), over the run (run/signal_check).
+      **({"zero_variance_groups": int(sum(h.get("reward/zero_variance_groups") or 0
+                                          for h in rl))}
+         if any("reward/zero_variance_groups" in h for h in rl) else {}),
   }
 
 

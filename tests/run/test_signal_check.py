@@ -82,3 +82,33 @@ def test_observe_step_reads_the_trainers_last_rollout():
   assert "reward=exact_match" in msg and "One response: '5'" in msg
   assert "expected answer it was compared with: '2+3=5 #### 5'" in msg
   assert observe_step(check, types.SimpleNamespace(last_rollout=None), {}) is None
+
+
+def test_five_step_run_on_raw_gsm8k_warns(tmp_path, capsys, caplog):
+  """Acceptance (issue 50): a 5-step run on GSM8K-format data (answers are whole solutions
+  ending `#### N`) with reward=exact_match scores 0 everywhere and says so once, with a
+  response and the expected answer; the summary counts the zero-variance groups."""
+  import json
+  import logging
+
+  import experiments.train as train_cli
+
+  data = tmp_path / "gsm8k.jsonl"
+  pairs = [(a, b) for a in range(1, 5) for b in range(1, 3)]
+  data.write_text("".join(json.dumps({"question": f"{a}+{b}=",
+                                      "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
+                          for a, b in pairs))
+  with caplog.at_level(logging.WARNING):
+    rc = train_cli.main([f"data={data}", "reward=exact_match", "num_steps=5",
+                         "warmstart_steps=0", "prompts_per_step=4", "group_size=2",
+                         "max_new_tokens=4", f"out_dir={tmp_path / 'run'}", "tensorboard=false",
+                         "--quiet"])
+  out = capsys.readouterr()
+  assert rc == 0, out.err[-2000:]
+  text = out.err + "\n".join(r.getMessage() for r in caplog.records)
+  assert text.count("no learning signal: in the first") == 1, text[-3000:]
+  assert ("in the first 5 steps (to step 5) every rollout scored 0 with reward=exact_match"
+          in text)
+  assert "expected answer it was compared with: '" in text and " #### " in text
+  assert "One response: '" in text
+  assert "zero_variance_groups=20" in out.out  # 5 steps x 4 groups, all flat
