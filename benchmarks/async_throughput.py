@@ -5,7 +5,8 @@
     python benchmarks/async_throughput.py --smoke         # a few short steps (tests, < 1 min)
 
 The same config (the `tiny` preset: random-init tiny Qwen3, no warm start, dense attention)
-runs twice in one process: synchronously (`max_staleness=0`) and asynchronously
+runs in one process in two trainers, a step of each in turn: synchronously
+(`max_staleness=0`) and asynchronously
 (`max_staleness=1 partial_rollouts=true`; `--staleness N`: another N). Every request's
 response length is drawn from a lognormal law (sigma = 0.75, median `--median` tokens, so
 p99 / p50 = exp(2.326 x 0.75) ~ 5.7) through its own `max_new_tokens` with `ignore_eos=true`,
@@ -22,8 +23,10 @@ Measured per mode after `--warmup` steps (compilation): trained tokens (the loss
 response tokens of every step's batch) per second of wall time, with the wall time of each
 step less the part of it that was compilation (`time/compile_s`: new length buckets can still
 compile after the warm-up, on either side); engine occupancy = busy / (busy + idle)
-slot-steps of the decode chunks run during the timed steps. The realised response lengths'
-p50 / p90 / p99 are printed (trained rows of both modes). The last stdout line is one JSON
+slot-steps of the decode chunks run during the timed steps; decode steps and trained tokens
+per decode step (`decode_step_ratio`: async / sync, the rollout work saved, whatever the
+machine's load). The realised response lengths' p50 / p90 / p99 are printed (trained rows
+of both modes). The last stdout line is one JSON
 object: {"sync_tokens_per_s", "async_tokens_per_s", "ratio", "sync_occupancy",
 "async_occupancy", "p99_over_p50", ...}.
 """
@@ -63,45 +66,54 @@ def config(args, *, staleness: int, out_dir: str):
                                    for k, v in keys.items()])
 
 
-def run_mode(args, staleness: int) -> dict:
-  """Train `--warmup` + `--steps` steps; the timed steps' tokens, time and occupancy."""
+def run_modes(args, modes: dict[str, int]) -> dict[str, dict]:
+  """Train every mode (name -> max_staleness) `--warmup` + `--steps` steps, one step of each
+  in turn (A B A B ...: load on a shared machine hits both alike); per mode the timed steps'
+  trained tokens, wall time less compilation, decode steps and occupancy."""
   from sparrow_jax.run import producer as producer_lib
   median, cap = args.median, args.max_new
   default = producer_lib.Producer.response_budget
   producer_lib.Producer.response_budget = lambda self, seed: lognormal_length(seed, median, cap)
   try:
-    return _run(args, staleness)
+    return _run(args, modes)
   finally:
     producer_lib.Producer.response_budget = default
 
 
-def _run(args, staleness: int) -> dict:
+def _run(args, modes: dict[str, int]) -> dict[str, dict]:
   from sparrow_jax.run.trainer import Trainer
+  res = {k: dict(tokens=0.0, wall_s=0.0, busy=0, idle=0, decode_steps=0, lengths=[])
+         for k in modes}
   with tempfile.TemporaryDirectory() as out:
-    tr = Trainer(config(args, staleness=staleness, out_dir=out), quiet=True)
+    trs = {k: Trainer(config(args, staleness=n, out_dir=f"{out}/{k}"), quiet=True)
+           for k, n in modes.items()}
     try:
-      tokens = wall = busy = idle = 0.0
-      lengths = []
       for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
-        rec = tr.run_step()
-        dt = time.perf_counter() - t0
-        tr.state.step = rec.step
-        if i < args.warmup:
-          continue
-        b = rec.batch
-        tokens += float(b.loss_mask.sum())
-        wall += dt - rec.out["time/compile_s"]
-        lengths += [len(c.token_ids) for c in b.completions]
-        if staleness:  # the engine runs inside the producer's turn: its counters per step
-          b_, i_ = tr.producer.last_slot_steps
-        else:
-          b_, i_ = tr.rollout.stats["busy_slot_steps"], tr.rollout.stats["idle_slot_steps"]
-        busy, idle = busy + b_, idle + i_
-      return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-              "occupancy": busy / max(busy + idle, 1), "lengths": lengths}
+        for k, tr in trs.items():
+          t0 = time.perf_counter()
+          rec = tr.run_step()
+          dt = time.perf_counter() - t0
+          tr.state.step = rec.step
+          if i < args.warmup:
+            continue
+          r, b = res[k], rec.batch
+          r["tokens"] += float(b.loss_mask.sum())
+          r["wall_s"] += dt - rec.out["time/compile_s"]
+          r["lengths"] += [len(c.token_ids) for c in b.completions]
+          r["decode_steps"] += int(b.info.engine["decode_steps"])
+          if modes[k]:  # the engine runs inside the producer's turn: its counters per step
+            busy, idle = tr.producer.last_slot_steps
+          else:
+            busy, idle = tr.rollout.stats["busy_slot_steps"], tr.rollout.stats["idle_slot_steps"]
+          r["busy"], r["idle"] = r["busy"] + busy, r["idle"] + idle
     finally:
-      tr.close()
+      for tr in trs.values():
+        tr.close()
+  for r in res.values():
+    r["tokens_per_s"] = r["tokens"] / r["wall_s"]
+    r["occupancy"] = r["busy"] / max(r["busy"] + r["idle"], 1)
+    r["tokens_per_decode_step"] = r["tokens"] / max(r["decode_steps"], 1)
+  return res
 
 
 def main(argv=None) -> int:
@@ -121,12 +133,12 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.smoke:
     args.steps, args.warmup, args.median, args.max_new, args.prompts = 2, 1, 4.0, 24, 2
-  res = {}
-  for name, staleness in (("sync", 0), ("async", args.staleness)):
-    res[name] = run_mode(args, staleness)
-    r = res[name]
+  res = run_modes(args, {"sync": 0, "async": args.staleness})
+  for name, r in res.items():
     print(f"{name}: {r['tokens']:.0f} trained tokens in {r['wall_s']:.2f} s = "
-          f"{r['tokens_per_s']:.1f} tokens/s, occupancy {r['occupancy']:.3f}", flush=True)
+          f"{r['tokens_per_s']:.1f} tokens/s, {r['decode_steps']} decode steps "
+          f"({r['tokens_per_decode_step']:.2f} tokens each), occupancy {r['occupancy']:.3f}",
+          flush=True)
   lens = np.asarray(res["sync"]["lengths"] + res["async"]["lengths"], np.float64)
   p50, p90, p99 = np.percentile(lens, [50, 90, 99])
   print(f"response lengths (trained rows of both modes, n={lens.size}): p50 {p50:.0f}, "
@@ -138,6 +150,9 @@ def main(argv=None) -> int:
          "sync_occupancy": res["sync"]["occupancy"],
          "async_occupancy": res["async"]["occupancy"], "p99_over_p50": p99 / p50,
          "p50": p50, "p90": p90, "p99": p99, "timed_steps": args.steps,
+         # load-free: trained tokens per decode step (the device work of the rollouts)
+         "decode_step_ratio": (res["async"]["tokens_per_decode_step"]
+                               / res["sync"]["tokens_per_decode_step"]),
          "max_staleness": args.staleness, "smoke": args.smoke}
   print(json.dumps(out))
   return 0
