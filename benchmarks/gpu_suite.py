@@ -1367,6 +1367,15 @@ def gpu_suite() -> Suite:
                doc=__doc__)
 
 
+
+def _token_counts(text: str) -> tuple[int, ...] | None:
+  """'8192,16384' -> (8192, 16384); None unless every entry is a positive int."""
+  try:
+    counts = tuple(int(c) for c in text.split(","))
+  except ValueError:
+    return None
+  return counts if counts and min(counts) > 0 else None
+
 def main(argv=None, suite: Suite | None = None) -> int:
   suite = gpu_suite() if suite is None else suite
   argv = sys.argv[1:] if argv is None else list(argv)
@@ -1421,11 +1430,8 @@ def main(argv=None, suite: Suite | None = None) -> int:
     return 2
   engine = suite.smoke_engine if args.smoke else suite.full_engine
   if args.contexts is not None:
-    try:
-      contexts = tuple(int(c) for c in args.contexts.split(","))
-      if not contexts or min(contexts) <= 0:
-        raise ValueError
-    except ValueError:
+    contexts = _token_counts(args.contexts)
+    if contexts is None:
       print(f"{suite.name}: --contexts={args.contexts!r}: expected positive token counts, "
             "comma-separated", file=sys.stderr)
       return 2
@@ -1440,11 +1446,8 @@ def main(argv=None, suite: Suite | None = None) -> int:
                                  else int(args.engine_batch)))
   step = suite.smoke_step if args.smoke else suite.full_step
   if args.step_lengths is not None:
-    try:
-      lengths = tuple(int(c) for c in args.step_lengths.split(","))
-      if not lengths or min(lengths) <= 0:
-        raise ValueError
-    except ValueError:
+    lengths = _token_counts(args.step_lengths)
+    if lengths is None:
       print(f"{suite.name}: --step-lengths={args.step_lengths!r}: expected positive token "
             "counts, comma-separated", file=sys.stderr)
       return 2
