@@ -522,7 +522,7 @@ PRESETS: dict[str, TrainConfig] = {
     "tiny_tools": TrainConfig(
         model="tiny", arith_min_digits=4, arith_max_digits=6, arith_ops="+*",
         arith_template="padded", num_examples=2000, reward="exact_match", prompts_per_step=16,
-        group_size=8, max_prompt_len=32, max_new_tokens=64, temperature=1.0,
+        group_size=8, max_prompt_len=32, max_new_tokens=80, temperature=1.0,
         schedule="constant:4", page_size=4, dense_layers="0", num_slots=128, decode_chunk=8,
         num_steps=40, lr=1e-3, max_grad_norm=1.0, warmstart_steps=500, warmstart_lr=3e-3,
         warmstart_batch=32, tools="calculator", tool_format="plain_padded", max_turns=2,
