@@ -82,7 +82,8 @@ def run_modes(args, modes: dict[str, int]) -> dict[str, dict]:
 
 def _run(args, modes: dict[str, int]) -> dict[str, dict]:
   from sparrow_jax.run.trainer import Trainer
-  res = {k: dict(tokens=0.0, wall_s=0.0, busy=0, idle=0, decode_steps=0, lengths=[])
+  res = {k: dict(tokens=0.0, wall_s=0.0, rollout_s=0.0, busy=0, idle=0, decode_steps=0,
+                lengths=[])
          for k in modes}
   with tempfile.TemporaryDirectory() as out:
     trs = {k: Trainer(config(args, staleness=n, out_dir=f"{out}/{k}"), quiet=True)
@@ -99,6 +100,7 @@ def _run(args, modes: dict[str, int]) -> dict[str, dict]:
           r, b = res[k], rec.batch
           r["tokens"] += float(b.loss_mask.sum())
           r["wall_s"] += dt - rec.out["time/compile_s"]
+          r["rollout_s"] += rec.times["rollout"]  # the engine's share (compilation included)
           r["lengths"] += [len(c.token_ids) for c in b.completions]
           r["decode_steps"] += int(b.info.engine["decode_steps"])
           if modes[k]:  # the engine runs inside the producer's turn: its counters per step
@@ -137,7 +139,8 @@ def main(argv=None) -> int:
   for name, r in res.items():
     print(f"{name}: {r['tokens']:.0f} trained tokens in {r['wall_s']:.2f} s = "
           f"{r['tokens_per_s']:.1f} tokens/s, {r['decode_steps']} decode steps "
-          f"({r['tokens_per_decode_step']:.2f} tokens each), occupancy {r['occupancy']:.3f}",
+          f"({r['tokens_per_decode_step']:.2f} tokens each), occupancy {r['occupancy']:.3f}, "
+          f"rollout {r['rollout_s']:.2f} s of it",
           flush=True)
   lens = np.asarray(res["sync"]["lengths"] + res["async"]["lengths"], np.float64)
   p50, p90, p99 = np.percentile(lens, [50, 90, 99])
