@@ -33,6 +33,8 @@ def _ragged_batch(tr, seed=0):
     n = int(rng.integers(1, len(c.token_ids) + 1))
     c.token_ids, c.logprobs = list(c.token_ids[:n]), list(c.logprobs[:n])
     c.topk_ids, c.topk_logprobs = c.topk_ids[:n], c.topk_logprobs[:n]
+    if c.versions is not None:  # (the engine records each token's policy version)
+      c.versions = c.versions[:n]
   return tr.make_batch(comps).arrays()
 
 
