@@ -358,20 +358,14 @@ class GenerationEngine(DeviceSteps):
         raise ValueError(
             f"request {r.request_id!r}: prompt of {n} tokens does not fit the context "
             f"max_seq_len={cfg.max_seq_len} (needs at least one generated token)")
-      bad = [t for t in r.prompt_ids if not 0 <= int(t) < vocab]
-      if bad:
-        raise ValueError(f"request {r.request_id!r}: token ids {bad[:5]} outside the "
-                         f"vocabulary [0, {vocab})")
+      _check_vocab(r.request_id, "token ids", r.prompt_ids, vocab)
       k = len(r.context_ids)
       if k and (k >= r.sampling.max_new_tokens or n + k >= cfg.max_seq_len):
         raise ValueError(
             f"request {r.request_id!r}: {k} context tokens leave no token to generate "
             f"(max_new_tokens={r.sampling.max_new_tokens}, prompt {n}, max_seq_len="
             f"{cfg.max_seq_len})")
-      bad = [t for t in r.context_ids if not 0 <= int(t) < vocab]
-      if bad:
-        raise ValueError(f"request {r.request_id!r}: context token ids {bad[:5]} outside the "
-                         f"vocabulary [0, {vocab})")
+      _check_vocab(r.request_id, "context token ids", r.context_ids, vocab)
       stop = set(r.sampling.stop_token_ids)
       if not r.sampling.ignore_eos:
         stop.update(self.model_config.eos_token_ids)
@@ -758,3 +752,11 @@ class GenerationEngine(DeviceSteps):
         if sq.slot < 0:  # preempted and waiting: leaves the queue
           run.sched.queue.remove(sq)
         self._finish(run, sq, "pruned")
+
+
+def _check_vocab(request_id, what: str, ids, vocab: int) -> None:
+  """Refuse token ids outside [0, vocab), naming the request and the first few."""
+  bad = [t for t in ids if not 0 <= int(t) < vocab]
+  if bad:
+    raise ValueError(f"request {request_id!r}: {what} {bad[:5]} outside the vocabulary "
+                     f"[0, {vocab})")
