@@ -245,38 +245,43 @@ class Trainer:
 
   # --- one RL step -----------------------------------------------------------------------
   def pipeline(self) -> tuple:
-    """(name, fn(rec)) of one step in order: generate, the learner's stages with the
-    before-update hooks ahead of DistillSparse and the update, the after-update hooks,
-    metrics."""
+    """(name, fn(rec)) of one step in order: generate (the engine's KV pool is released when
+    it hands the batch over), the learner's stages with the before-update hooks ahead of
+    DistillSparse and the update, the new policy published to the engine, the after-update
+    hooks, metrics. A feature adds its stage, hook or phase."""
     hooks = {p: [h for h in self.hooks if h.point == p]
              for p in ("before_update", "after_update")}
     learner_stages = stages_lib.learner_stages(self.cfg)
     first = [s for s in learner_stages if s[0] in ("batch", "recompute", "advantages")]
-    rest = [s for s in learner_stages if s not in first]
+    *rest, update = [s for s in learner_stages if s not in first]
+    assert update[0] == "update", learner_stages  # the learner's stages end with the update
+    snapshot = []
+    if self.cfg.max_staleness and self.cfg.exact_alpha_every:  # older actors, by version
+      snapshot = [("policy_snapshot", lambda rec: remember_policy(self))]
     return (("generate", self._generate),
-            *[(n, self._stage(n, fn)) for n, fn in first],
+            *[(n, self._stage(fn)) for n, fn in first],
             *[(h.name, self._hook(h)) for h in hooks["before_update"]],
-            *[(n, self._stage(n, fn)) for n, fn in rest],
+            *[(n, self._stage(fn)) for n, fn in rest], *snapshot,
+            ("update", self._stage(update[1])), ("publish", self._publish_update),
             *[(h.name, self._hook(h)) for h in hooks["after_update"]],
             ("metrics", self._metrics))
 
   def _generate(self, rec: StepRecord) -> None:
     rec.batch = self.producer.produce(rec.step, version=self.state.policy_version,
                                       schedule=self.schedule, lora=self._actor_lora())
+    self.rollout.release()  # the learner gets the KV pool's memory back
     rec.times["rollout"], rec.times["reward"] = rec.batch.info.rollout_s, rec.batch.info.reward_s
     rec.out.update(self.producer.metrics)  # async/* (asynchronous training)
 
-  def _stage(self, name: str, fn) -> Callable[[StepRecord], None]:
+  def _stage(self, fn) -> Callable[[StepRecord], None]:
     def run(rec: StepRecord) -> None:
-      if name == "batch":  # the learner gets the KV pool's memory back
-        self.rollout.release()
-      if name == "update" and self.cfg.max_staleness and self.cfg.exact_alpha_every:
-        remember_policy(self)  # older actors for the exact alpha split (hooks.alpha_split)
       self.state = fn(self.learner, self.state, rec)
-      if name == "update":  # the new policy goes to the engine for the next rollout
-        self.state.policy_version += 1
-        self._publish()
     return run
+
+  def _publish_update(self, rec: StepRecord) -> None:
+    """The updated policy goes to the engine for the next rollout, as a new version."""
+    self.state.policy_version += 1
+    self._publish()
 
   def _hook(self, hook) -> Callable[[StepRecord], None]:
     def run(rec: StepRecord) -> None:
