@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from sparrow_jax.engine.engine import Request
-from sparrow_jax.engine.sampling import SamplingParams, request_seed
+from sparrow_jax.engine.sampling import request_seed
 from sparrow_jax.run import distributed
 from sparrow_jax.run.batch import GenerationInfo, TrainBatch, make_batch
 from sparrow_jax.run.builders import encode_prompt
@@ -104,10 +104,7 @@ class AsyncProducer(Producer):
       ids = encode_prompt(self.tokenizer, examples[i], cfg.chat_template)
       for g in range(cfg.group_size):
         seed = request_seed(cfg.seed, draw, 0, i, g)
-        sp = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                            max_new_tokens=self.response_budget(seed), seed=seed,
-                            ignore_eos=cfg.ignore_eos)
-        reqs.append(Request(ids, sp, (key, g), group=key))
+        reqs.append(Request(ids, self.sampling(seed), (key, g), group=key))
     self.session.add(reqs)
 
   def _regenerate_pending(self) -> None:

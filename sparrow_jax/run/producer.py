@@ -186,13 +186,15 @@ class Producer:
       ids = encode_prompt(self.tokenizer, e, cfg.chat_template)
       for g in range(cfg.group_size):
         seed = request_seed(cfg.seed, step, round_, i, g)
-        reqs.append(Request(ids, SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p,
-                                                top_k=cfg.top_k,
-                                                max_new_tokens=self.response_budget(seed),
-                                                seed=seed,
-                                                ignore_eos=cfg.ignore_eos),
-                            (i, g), group=(round_, i)))
+        reqs.append(Request(ids, self.sampling(seed), (i, g), group=(round_, i)))
     return reqs
+
+  def sampling(self, seed: int) -> SamplingParams:
+    """The sampling parameters of the rollout request with sampling `seed`."""
+    cfg = self.cfg
+    return SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                          max_new_tokens=self.response_budget(seed), seed=seed,
+                          ignore_eos=cfg.ignore_eos)
 
   def rollout(self, examples, step: int, round_: int = 0, *, lora=None) -> list[Completion]:
     """The completions of `examples`' groups (`lora`: the sparse actor's, or None)."""
