@@ -148,26 +148,6 @@ KEY_DOCS: dict[str, str] = {
                     "bypass: pi_old = pi_rollout (no recompute, the PPO ratio is pi_theta / "
                     "pi_rollout; rollout_rs uses sg(pi_theta) / pi_rollout) (verl: "
                     "bypass_mode).",
-    "rollout_is": "Rollout correction (verl's algorithm.rollout_is; exclusive with tis_*): "
-                  "importance weights on the loss: null | token (rho_t = pi_old / pi_rollout) | "
-                  "sequence (prod_t rho_t) | geometric (exp(mean_t log rho_t)).",
-    "rollout_is_threshold": "Bound of those weights: \"C\" truncates at C; \"lo_hi\" "
-                            "(e.g. 0.5_5.0, IcePop) zeroes weights outside [lo, hi] (verl: "
-                            "rollout_is_threshold).",
-    "rollout_is_batch_normalize": "Divide the IS weights by their mini-batch mean (verl: "
-                                  "rollout_is_batch_normalize).",
-    "rollout_rs": "Rejection sampling (verl: rollout_rs): comma-separated statistics, each "
-                  "dropping tokens or whole sequences outside its threshold: token | sequence "
-                  "| geometric (ratio bands), token_k1/k2/k3, seq_sum_k1/k2/k3, "
-                  "seq_mean_k1/k2/k3, seq_max_k2/k3 (KL estimators); null = none.",
-    "rollout_rs_threshold": "One per rollout_rs statistic (or one for all), comma-separated: "
-                            "\"hi\" (ratios kept in [1/hi, hi]; k2/k3 <= hi; |k1| <= hi) or "
-                            "\"lo_hi\" (kept in [lo, hi]).",
-    "rollout_token_veto_threshold": "Sparse-RL's sparsity-aware rejection: drop a sequence "
-                                    "with any rho_t below this (e.g. 1e-4); null = off.",
-    "rollout_mode": "decoupled (three policies, rho against the dense recompute) | bypass "
-                    "(pi_old = pi_rollout: no recompute; the PPO ratio is pi_theta / "
-                    "pi_rollout).",
     "dynamic_sampling": "DAPO dynamic sampling: drop zero-variance groups and refill the batch "
                         "(verl: algorithm.filter_groups).",
     "max_refill_rounds": "Extra rollout rounds to refill dropped groups (0 = no refill; verl: "

@@ -16,7 +16,7 @@ prompts into a scored, typed batch for the learner.
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
