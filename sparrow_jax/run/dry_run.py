@@ -9,7 +9,10 @@ of a step is compiled ahead of time at the preset's real shapes on `--num-device
 (`run/compile_plan.py`) and XLA's own memory analysis is printed beside the plan's estimate of
 the same program. `--json` ends the output with one JSON line:
 `{"fits", "device_memory_bytes", "num_devices", "phases": {NAME: {"compiled_peak_bytes",
-"planned_bytes"}}}`. Exit status 0 when the configuration fits, 1 (with a message naming what
+"planned_bytes"}}, "cpu_only_compiler_options": {NAME: options}}`; a phase compiled with
+CPU-only compiler options (the decode chunk on an XLA:CPU mesh, `compile_plan.
+CPU_DECODE_OPTIONS`) also has "compiler_options" and "compiled_peak_bytes_default" (the peak
+as compiled without them), and the text output says so under its row. Exit status 0 when the configuration fits, 1 (with a message naming what
 does not fit and the knob to change) when it does not.
 """
 
@@ -110,7 +113,8 @@ def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
   mesh = sh.parse_mesh(cfg.mesh)
   if num_devices is None:
     import jax
-    num_devices = (jax.device_count() if not mesh.is_resolved else math.prod(mesh.shape))
+    num_devices = (jax.device_count() - cfg.rollout_devices if not mesh.is_resolved
+                   else math.prod(mesh.shape))
   seq = cfg.max_prompt_len + cfg.max_new_tokens
   plan = memory_plan(cfg, num_devices, mean_response_len=mean_response_len)
   name = cfg.model
@@ -123,6 +127,13 @@ def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
         f"slots per device, sequences up to {seq} tokens, train micro-batch "
         f"{cfg.micro_batch}" + (f" / {cfg.max_tokens_per_micro_batch} tokens per device"
                                 if cfg.max_tokens_per_micro_batch else ""), file=out)
+  if cfg.rollout_devices:
+    print(f"rollout_devices={cfg.rollout_devices}: the engine runs on {cfg.rollout_devices} "
+          "device(s) of its own (the process's last ones: a replicated rollout copy of the "
+          "policy and actor LoRA, the KV pool, the rollout workspaces); the learner's mesh "
+          f"is the other {num_devices} (parameters, optimizer, activations). The table "
+          "below is per learner device and sizes the pool as if it shared them (held "
+          "through training): an upper bound for both sides.", file=out)
   print(plan.format_table(), file=out)
   c, h = plan.concurrency, plan.concurrency_held
   print(f"KV pool: {plan.kv_pool_pages} pages of {cfg.page_size} tokens per device "
@@ -149,7 +160,11 @@ def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
   if as_json:
     print(json.dumps({"fits": bool(fits), "device_memory_bytes": int(plan.device_bytes),
                       "usable_bytes": int(plan.usable_bytes), "num_devices": num_devices,
-                      "plan_peak_bytes": int(plan.total), "phases": phases}), file=out)
+                      "plan_peak_bytes": int(plan.total), "phases": phases,
+                      # the phases compiled with CPU-only options (run/compile_plan.py)
+                      "cpu_only_compiler_options": {
+                          k: v["compiler_options"] for k, v in phases.items()
+                          if "compiler_options" in v}}), file=out)
   return 0 if fits else 1
 
 
@@ -180,6 +195,15 @@ def _compile_report(cfg: TrainConfig, num_devices: int, plan, phases: dict, out)
                     "resident_bytes": int(resident), "arguments_bytes": pm.arguments,
                     "outputs_bytes": pm.outputs, "temporaries_bytes": pm.temporaries,
                     "aliased_bytes": pm.aliased, "micro_batch": pm.shape}
+    if pm.options:  # the CPU-only compile (compile_plan.CPU_DECODE_OPTIONS), said so
+      phases[name].update(compiler_options=pm.options,
+                          compiled_peak_bytes_default=int(pm.default_peak),
+                          temporaries_bytes_default=int(pm.default_temporaries))
+      say(f"    ^ {name}: compiled with "
+          + ", ".join(f"{k}={v}" for k, v in pm.options.items())
+          + f" (CPU only: {compile_plan.CPU_DECODE_WHY}); as compiled by default: peak "
+          f"{pm.default_peak / GB:.3f}, total {(pm.default_peak + resident) / GB:.3f} GB "
+          f"({'fits' if pm.default_peak + resident <= plan.usable_bytes else 'does not fit'})")
   worst = max(compiled.values(), key=lambda pm: pm.peak + plan.phase(pm.name).resident)
   say(f"largest compiled phase: {worst.name}, "
       f"{(worst.peak + plan.phase(worst.name).resident) / GB:.2f} GB of "
