@@ -385,8 +385,10 @@ class TrainConfig:
   @property
   def kv_pool_released(self) -> bool:
     """The engine's KV pool is freed while the learner runs: `release_kv_cache`, and never
-    under asynchronous training (the running sequences keep their pages across steps)."""
-    return self.release_kv_cache and not self.max_staleness
+    under asynchronous training (the running sequences keep their pages across steps) nor
+    with `rollout_devices` (the pool is on the engine's own devices: freeing it gives the
+    learner nothing)."""
+    return self.release_kv_cache and not self.max_staleness and not self.rollout_devices
 
   def replace(self, **kw) -> "TrainConfig":
     return dataclasses.replace(self, **kw)
@@ -423,12 +425,10 @@ def _check_async(cfg: TrainConfig) -> None:
   if cfg.partial_rollouts and not n:
     raise ValueError("partial_rollouts=true needs max_staleness >= 1 (with 0 every sequence "
                      "finishes under the weights it started with: synchronous steps)")
-  if cfg.rollout_devices:
-    raise ValueError(
-        f"rollout_devices={cfg.rollout_devices}: not supported; the engine and the learner "
-        "time-share the process's devices (the learner's step runs between engine chunks). "
-        "Running them side by side on separate devices needs them in two threads or "
-        "processes with a weight copy between the meshes, which this trainer does not have")
+  k = cfg.rollout_devices
+  if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+    raise ValueError(f"rollout_devices={k!r}: expected an int >= 0 (K of the process's "
+                     "devices for the engine, the rest for the learner; 0 = time-share them)")
   if n and cfg.dynamic_sampling:
     raise ValueError(f"max_staleness={n} with dynamic_sampling=true: not supported (DAPO's "
                      "refill rounds regenerate within one step; asynchronous steps take "

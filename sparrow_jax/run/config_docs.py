@@ -167,8 +167,11 @@ KEY_DOCS: dict[str, str] = {
                           "partial_rollouts: keep (TRL's pause keep: no cost, the recorded "
                           "log-probs stay the behaviour policy's) | recompute (AReaL: "
                           "re-prefill every running context under the new weights).",
-    "rollout_devices": "K devices of the process for the engine, the rest for the learner; "
-                       "0 = time-share them (the only mode built: K > 0 is refused).",
+    "rollout_devices": "K devices of the process for the engine (the last K), the rest for "
+                       "the learner's mesh; after each update the policy (and the actor's "
+                       "LoRA) is copied to the engine's devices (async/weight_sync_s). 0 = "
+                       "engine and learner time-share every device. One process only: a "
+                       "multi-host run refuses K > 0.",
     "max_bad_steps": "NaN/inf steps in a row before the run stops.",
     "logprob_chunk": "Positions per LM-head chunk when log-probs are computed (bounds the "
                      "[positions x vocab] logits in memory).",

@@ -113,6 +113,8 @@ def dry_run(cfg: TrainConfig, *, num_devices: int | None = None,
   mesh = sh.parse_mesh(cfg.mesh)
   if num_devices is None:
     import jax
+    from sparrow_jax.run.setup import check_rollout_devices
+    check_rollout_devices(cfg)  # (K below this job's device count, one process)
     num_devices = (jax.device_count() - cfg.rollout_devices if not mesh.is_resolved
                    else math.prod(mesh.shape))
   seq = cfg.max_prompt_len + cfg.max_new_tokens

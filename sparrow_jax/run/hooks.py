@@ -8,7 +8,10 @@
     monitor       after the update, every step: importance ratios of the sampled tokens, the
                   top-k lower bound of alpha_t per position bin (rl/monitor.py), the bound
                   against the exact values on the rows that have them
+    ladder_probe  before the update, asynchronous training only: the next schedule's tail
+                  split into sparsity and total, each token at its own version
     ladder        after the update: probe the next schedule, switch after `ladder_patience`
+                  (asynchronous: decide on the total `ladder_probe` measured)
     arrol         after the update: train ARRoL's quality head on the step's labelled rollouts
 
 A hook is `fn(trainer, rec) -> metrics` (`rec`: the step's `StepRecord`); its metrics join the
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.rl.monitor import lower_bound_alpha, replay_diff, replay_stats
-from sparrow_jax.rl.switching import alpha_tails_per_bin
+from sparrow_jax.rl.switching import alpha_tail, alpha_tails_per_bin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,25 @@ def alpha_split(tr, b, sub: dict, alpha: np.ndarray) -> dict[str, float]:
   existing exact alpha) for both, so with no stale token both equal `mismatch/exact_p5`.
   Older versions' weights come from `tr.policy_history` (kept with max_staleness > 0 and
   exact alpha on); a version missing there is left out (`mismatch/split_missing_tokens`)."""
-  cfg, now = tr.cfg, tr.state.policy_version
+  sparsity, total, keep = versioned_alpha(tr, b, sub, alpha, b.schedule)
+  m = sub["mask"] > 0
+  out = {"mismatch/split_missing_tokens": float((m & ~keep).sum())}
+  for name, a in (("sparsity", sparsity), ("total", total)):
+    tails = alpha_tails_per_bin(a, keep.astype(np.float32), bin_size=tr.cfg.mismatch_bin_size)
+    if tails:
+      out[f"mismatch/p5_{name}"] = min(v for v, _ in tails.values())
+  return out
+
+
+def versioned_alpha(tr, b, sub: dict, alpha: np.ndarray, schedule
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(sparsity, total, keep) [rows, T] of the sparse actor under `schedule`, each token at
+  the policy version that sampled it: `alpha` (that schedule's actor of the current version
+  against the current dense policy) where the token is of the current version; else the
+  actor of version v (weights and LoRA from `tr.policy_history`) against the dense policy of
+  v (sparsity) and against the learner's current one (total). `keep`: the response tokens
+  whose version is current or kept (`alpha_split`)."""
+  now = tr.state.policy_version
   rows = alpha.shape[0]
   m = sub["mask"] > 0
   versions = np.asarray(b.versions[:rows])
@@ -104,15 +125,10 @@ def alpha_split(tr, b, sub: dict, alpha: np.ndarray) -> dict[str, float]:
       keep &= ~sel
       continue
     params_v, lora_v = old
-    a_s = tr.learner.token_alpha(params_v, sub, b.schedule, lora_v)
-    a_t = tr.learner.token_alpha(params_v, sub, b.schedule, lora_v, dense_params=tr.state.params)
+    a_s = tr.learner.token_alpha(params_v, sub, schedule, lora_v)
+    a_t = tr.learner.token_alpha(params_v, sub, schedule, lora_v, dense_params=tr.state.params)
     sparsity[sel], total[sel] = np.asarray(a_s)[sel], np.asarray(a_t)[sel]
-  out = {"mismatch/split_missing_tokens": float((m & ~keep).sum())}
-  for name, a in (("sparsity", sparsity), ("total", total)):
-    tails = alpha_tails_per_bin(a, keep.astype(np.float32), bin_size=cfg.mismatch_bin_size)
-    if tails:
-      out[f"mismatch/p5_{name}"] = min(v for v, _ in tails.values())
-  return out
+  return sparsity, total, keep
 
 
 def remember_policy(tr) -> None:
@@ -190,14 +206,24 @@ def ladder(tr, rec) -> dict[str, float]:
   """Probe the next, more aggressive schedule (with the current LoRA) on this step's whole
   rollout batch, over its response tokens; switch after `ladder_patience` consecutive probes
   with tail alpha >= tau. Position bins with fewer than `probe_min_count` tokens do not count;
-  when none qualifies the probe is skipped (`ladder/probe_skipped`)."""
+  when none qualifies the probe is skipped (`ladder/probe_skipped`).
+
+  Asynchronous training (max_staleness > 0): the tail the ladder acts on is the candidate's
+  *total* mismatch, measured before the update by `ladder_probe` (each token's actor of the
+  version that sampled it against the learner's dense policy at the step's start), not its
+  sparsity share alone: a candidate that would pass on a fresh policy but not once staleness
+  adds its share is not taken."""
   lad, step = tr.ladder, rec.step
   if lad.candidate is None or not lad.should_probe(step):
     return dict(lad.metrics())
   cfg, b = tr.cfg, rec.batch
-  tail = tr.learner.tail_alpha(tr.state.params, b.arrays("tokens", "lengths", "prompt_lens"),
-                               lad.candidate, tr.state.lora, b.mask, rec.logprob_plan or None,
-                               bin_size=cfg.mismatch_bin_size, min_count=cfg.probe_min_count)
+  if cfg.max_staleness:
+    tail = rec.out.get("ladder/probe_tail_total", float("nan"))
+  else:
+    tail = tr.learner.tail_alpha(tr.state.params,
+                                 b.arrays("tokens", "lengths", "prompt_lens"), lad.candidate,
+                                 tr.state.lora, b.mask, rec.logprob_plan or None,
+                                 bin_size=cfg.mismatch_bin_size, min_count=cfg.probe_min_count)
   if not np.isfinite(tail):
     return dict(lad.metrics(), **{"ladder/probe_skipped": 1.0})
   candidate = lad.candidate
@@ -206,6 +232,26 @@ def ladder(tr, rec) -> dict[str, float]:
     print(f"step {step}: switched schedule to {candidate.name} (probe tail alpha "
           f"{tail:.3f} >= tau {cfg.tau} for {cfg.ladder_patience} checks)", flush=True)
   return dict(lad.metrics(), **{"ladder/probe_tail_alpha": tail, "ladder/probe_skipped": 0.0})
+
+
+def ladder_probe(tr, rec) -> dict[str, float]:
+  """Before the update, under asynchronous training: the ladder's candidate schedule probed
+  on the whole batch as `alpha_split` splits exact alpha: its sparsity share (each token's
+  actor of version v against the dense policy of v) and its total (against the learner's
+  dense policy at the step's start), each the lowest per-bin p5 over bins with at least
+  `probe_min_count` tokens. `ladder` decides on the total."""
+  lad, step = tr.ladder, rec.step
+  if lad.candidate is None or not lad.should_probe(step):
+    return {}
+  cfg, b = tr.cfg, rec.batch
+  sub = b.arrays("tokens", "prompt_lens", "lengths", "mask")
+  now = tr.learner.token_alpha(tr.state.params, sub, lad.candidate, tr.state.lora,
+                               rec.logprob_plan or None)
+  sparsity, total, keep = versioned_alpha(tr, b, sub, np.asarray(now), lad.candidate)
+  kw = dict(bin_size=cfg.mismatch_bin_size, min_count=cfg.probe_min_count)
+  mask = keep.astype(np.float32)
+  return {"ladder/probe_tail_sparsity": alpha_tail(sparsity, mask, **kw),
+          "ladder/probe_tail_total": alpha_tail(total, mask, **kw)}
 
 
 # --- ARRoL's quality head ----------------------------------------------------------------
@@ -241,6 +287,8 @@ def step_hooks(cfg, *, ladder_on: bool, arrol_on: bool) -> tuple[Hook, ...]:
   if cfg.exact_alpha_every:
     hooks.append(Hook("exact_alpha", exact_alpha, every=cfg.exact_alpha_every,
                       point="before_update"))
+  if ladder_on and cfg.max_staleness:  # (the total needs each token's version's actor)
+    hooks.append(Hook("ladder_probe", ladder_probe, point="before_update"))
   hooks.append(Hook("monitor", monitor))
   if ladder_on:
     hooks.append(Hook("ladder", ladder))

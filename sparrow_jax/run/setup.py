@@ -30,13 +30,38 @@ def enable_compile_cache(path: str) -> str:
   return path
 
 
+def learner_device_count(cfg) -> int:
+  """Devices the training mesh may use: all of the job's, less `rollout_devices`."""
+  return jax.device_count() - cfg.rollout_devices
+
+
+def check_rollout_devices(cfg) -> None:
+  """`rollout_devices=K`: one process, and at least one device left for the learner."""
+  k = cfg.rollout_devices
+  if not k:
+    return
+  if distributed.is_multi():
+    raise ValueError(
+        f"rollout_devices={k} with {jax.process_count()} processes: not supported; a "
+        "multi-host run rolls out on every process's devices between the learner's steps "
+        "(use rollout_devices=0)")
+  if k >= jax.device_count():
+    raise ValueError(f"rollout_devices={k}: this process has {jax.device_count()} device(s); "
+                     f"expected at most {jax.device_count() - 1} (the learner needs the rest; "
+                     "rollout_devices=0 time-shares them)")
+
+
 def build_mesh(cfg) -> jax.sharding.Mesh:
-  """The training mesh `cfg.mesh` over this job's devices, refused when it cannot be run."""
+  """The training mesh `cfg.mesh` over this job's devices (less the engine's
+  `rollout_devices`), refused when it cannot be run."""
+  check_rollout_devices(cfg)
   mesh_cfg = sh.parse_mesh(cfg.mesh)
-  n_mesh = int(np.prod(mesh_cfg.shape)) if mesh_cfg.is_resolved else jax.device_count()
-  if n_mesh > jax.device_count():
-    raise ValueError(f"mesh={cfg.mesh!r} needs {n_mesh} devices; {jax.device_count()} "
-                     "available")
+  avail = learner_device_count(cfg)
+  n_mesh = int(np.prod(mesh_cfg.shape)) if mesh_cfg.is_resolved else avail
+  if n_mesh > avail:
+    raise ValueError(f"mesh={cfg.mesh!r} needs {n_mesh} devices; {avail} available" +
+                     (f" ({jax.device_count()} less rollout_devices={cfg.rollout_devices})"
+                      if cfg.rollout_devices else ""))
   if distributed.is_multi():
     if n_mesh != jax.device_count():
       raise ValueError(f"mesh={cfg.mesh!r} has {n_mesh} devices; a run over "
@@ -49,9 +74,12 @@ def build_mesh(cfg) -> jax.sharding.Mesh:
   return sh.make_mesh(mesh_cfg, devices=jax.devices()[:n_mesh])
 
 
-def rollout_mesh(mesh) -> jax.sharding.Mesh:
+def rollout_mesh(mesh, rollout_devices: int = 0) -> jax.sharding.Mesh:
   """The engine's devices: this process's part of the mesh (each process rolls out its
-  share of the prompts on its own devices; the producer gathers the completions)."""
+  share of the prompts on its own devices; the producer gathers the completions), or with
+  `rollout_devices=K` the process's last K devices, which the training mesh leaves out."""
+  if rollout_devices:
+    return jax.sharding.Mesh(np.asarray(jax.devices()[-rollout_devices:]), ("rollout",))
   mine = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   return jax.sharding.Mesh(np.asarray(mine), ("rollout",))
 

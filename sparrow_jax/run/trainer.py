@@ -171,7 +171,7 @@ class Trainer:
     return GenerationEngine(
         model, algorithm.engine_config(self.cfg, kv_cache_bytes=self.memory_plan.kv_cache_bytes),
         attention=self.attention, schedule=None if self.schedule.is_dense else self.schedule,
-        mesh=setup.rollout_mesh(self.mesh))
+        mesh=setup.rollout_mesh(self.mesh, self.cfg.rollout_devices))
 
   def _initial_state(self, params, param_shardings) -> TrainState:
     """Builds the learner and the step-0 state: optimizer, KL reference, LoRA."""
@@ -256,7 +256,8 @@ class Trainer:
     *rest, update = [s for s in learner_stages if s not in first]
     assert update[0] == "update", learner_stages  # the learner's stages end with the update
     snapshot = []
-    if self.cfg.max_staleness and self.cfg.exact_alpha_every:  # older actors, by version
+    if self.cfg.max_staleness and (self.cfg.exact_alpha_every or self.ladder is not None):
+      # older actors, by version (the alpha split; the ladder's total)
       snapshot = [("policy_snapshot", lambda rec: remember_policy(self))]
     return (("generate", self._generate),
             *[(n, self._stage(fn)) for n, fn in first],
@@ -279,9 +280,18 @@ class Trainer:
     return run
 
   def _publish_update(self, rec: StepRecord) -> None:
-    """The updated policy goes to the engine for the next rollout, as a new version."""
+    """The updated policy goes to the engine for the next rollout, as a new version. With
+    `rollout_devices` it is copied to the engine's own devices: waited for and timed."""
     self.state.policy_version += 1
+    t0 = time.perf_counter()
     self._publish()
+    if self.cfg.rollout_devices:
+      ro = self.rollout
+      if ro.session is None and ro.lora is not None:  # (else placed at the next rollout)
+        ro.lora = self.engine._replicate(ro.lora)
+      jax.block_until_ready((self.engine.state,
+                             ro.lora if ro.session is None else ro.session.run.lora))
+      rec.out["async/weight_sync_s"] = time.perf_counter() - t0
 
   def _hook(self, hook) -> Callable[[StepRecord], None]:
     def run(rec: StepRecord) -> None:

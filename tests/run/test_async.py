@@ -2,6 +2,10 @@
 float64 reference, group advantages over members of different versions, the mismatch split,
 and a tiny run that keeps its staleness bound and resumes from a checkpoint mid-async."""
 
+import json
+import os
+import subprocess
+import sys
 import types
 
 import jax.numpy as jnp
@@ -21,7 +25,7 @@ from sparrow_jax.run.trainer import Trainer
 def test_async_keys_refused_where_they_cannot_work():
   for kw, msg in ((dict(partial_rollouts=True), "needs max_staleness >= 1"),
                   (dict(max_staleness=-1), "max_staleness=-1"),
-                  (dict(rollout_devices=4, max_staleness=1), "rollout_devices=4: not supported"),
+                  (dict(rollout_devices=-1), "rollout_devices=-1"),
                   (dict(max_staleness=1, dynamic_sampling=True), "dynamic_sampling"),
                   (dict(max_staleness=1, arrol=True, max_new_tokens=64), "arrol=true"),
                   (dict(max_staleness=1, partial_rollout_kv="drop"), "partial_rollout_kv"),
@@ -169,3 +173,114 @@ def test_async_run_keeps_its_bound_and_resumes_mid_async(tmp_path):
     assert 0 < r["async/occupancy"] <= 1
   assert any(r["async/staleness_mean"] > 0 for r in rows)
   assert any(r["async/partial_frac"] > 0 for r in rows)
+
+
+def test_rollout_devices_refused_where_they_cannot_work(monkeypatch):
+  from sparrow_jax.run import distributed, setup
+  with pytest.raises(ValueError, match="rollout_devices=1: this process has 1 device"):
+    setup.build_mesh(TrainConfig(rollout_devices=1))  # (this process: one CPU device)
+  monkeypatch.setattr(distributed, "is_multi", lambda: True)
+  with pytest.raises(ValueError, match="rollout_devices=2 with .* processes: not supported"):
+    setup.build_mesh(TrainConfig(rollout_devices=2))
+  assert not TrainConfig(rollout_devices=2).kv_pool_released  # the pool is on its own devices
+
+
+def test_rollout_devices_first_step_equals_the_time_shared_one(tmp_path):
+  """8 fake CPU devices (a subprocess: XLA_FLAGS before jax): the engine on the last 4, the
+  learner on the first 4, against both on all 8: the same rollouts and the same loss."""
+  script = os.path.join(os.path.dirname(__file__), "rollout_devices_check.py")
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True,
+                        text=True, env=env, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  res = json.loads(proc.stdout.strip().splitlines()[-1])
+  shared, split = res["shared"], res["split"]
+  assert shared["learner_devices"] == shared["engine_devices"] == list(range(8))
+  assert split["learner_devices"] == [0, 1, 2, 3] and split["engine_devices"] == [4, 5, 6, 7]
+  assert split["engine_shards"] == 4 and split["steps"] == 2 and split["finite"]
+  # the same rollouts (tokens, request ids, versions; log-probs to float rounding), the same loss
+  assert res["same_tokens"] and res["same_ids"] and res["same_versions"], res
+  assert res["logprob_diff"] <= 1e-5, res
+  assert shared["grad_norm"] > 0  # (an informative step: the loss is not trivially 0)
+  assert res["loss_diff"] <= 1e-5 and res["grad_norm_rel_diff"] <= 1e-5, res
+  # every update's weights copied to the engine's devices, timed; the async bound holds there
+  assert all(t is not None and t > 0 for t in split["weight_sync_s"]), split
+  assert split["staleness_max"] <= 1 and max(split["partial_frac"]) > 0
+
+
+class _StaleLearner:
+  """token_alpha of a sparse actor `params` (an int: its version) against a dense side: 0.95
+  against its own version, 0.05 less per version of distance to another dense policy."""
+
+  def __init__(self):
+    self.calls = []
+
+  def token_alpha(self, params, arrays, schedule, lora, plan=None, *, dense_params=None):
+    self.calls.append((params, dense_params, schedule))
+    gap = 0 if dense_params is None else abs(params - dense_params)
+    return np.full(arrays["tokens"].shape, 0.95 - 0.05 * gap, np.float32)
+
+
+def _ladder_tr(tau, versions, now=4):
+  from sparrow_jax.rl.switching import ScheduleLadder
+  from sparrow_jax.schedule.presets import as_schedule
+  cfg = TrainConfig(max_staleness=1, tau=tau, ladder_patience=1, probe_every=1,
+                    probe_min_count=1, mismatch_bin_size=8)
+  lad = ScheduleLadder([as_schedule(3), as_schedule(2)], tau=tau,
+                       patience=1, probe_every=1)
+  switched = []
+  tr = types.SimpleNamespace(cfg=cfg, ladder=lad, learner=_StaleLearner(),
+                             state=types.SimpleNamespace(policy_version=now, params=now, lora=None),
+                             policy_history={now - 1: (now - 1, None)},
+                             switch_schedule=switched.append)
+  b = _batch(versions, np.zeros(len(versions), np.float32))
+  b.schedule = lad.current
+  rec = types.SimpleNamespace(step=1, batch=b, out={}, logprob_plan=None)
+  return tr, rec, switched
+
+
+def test_async_ladder_decides_on_the_total_mismatch():
+  """Stale tokens: the candidate's sparsity share (0.95) passes tau=0.92, its total (0.90:
+  the actor of version 3 against the learner's dense 4) does not: no switch. Fresh tokens
+  (total = sparsity = 0.95) or tau=0.88: the switch. The decision follows mismatch/p5_total
+  (the same split the exact-alpha hook reports for the current schedule)."""
+  for tau, versions, switch in ((0.92, [3] * 4, False), (0.92, [4] * 4, True),
+                                (0.88, [3] * 4, True), (0.92, [4, 4, [3, 3, 4, 4, 4, 4], 4],
+                                                        False)):
+    tr, rec, switched = _ladder_tr(tau, versions)
+    for h in hooks.step_hooks(tr.cfg, ladder_on=True, arrol_on=False):
+      if h.name in ("ladder_probe", "ladder"):
+        rec.out.update(h.fn(tr, rec))
+    sub = rec.batch.arrays("tokens", "prompt_lens", "lengths", "mask")
+    split = hooks.alpha_split(tr, rec.batch, sub, np.full(rec.batch.tokens.shape, 0.95,
+                                                          np.float32))
+    assert rec.out["ladder/probe_tail_alpha"] == rec.out["ladder/probe_tail_total"]
+    assert rec.out["ladder/probe_tail_total"] == pytest.approx(split["mismatch/p5_total"])
+    assert rec.out["ladder/probe_tail_sparsity"] == pytest.approx(0.95)
+    assert bool(switched) == switch == (split["mismatch/p5_total"] >= tau), (tau, versions)
+    # the candidate's actor of the stale version was probed against the learner's dense policy
+    stale = any(np.ndim(v) or v != 4 for v in versions)
+    assert any(c[0] == 3 and c[1] == 4 and c[2].name == "constant-2"
+               for c in tr.learner.calls) == stale
+  sync = hooks.step_hooks(TrainConfig(), ladder_on=True, arrol_on=False)
+  assert [h.name for h in sync] == ["monitor", "ladder"]  # synchronous steps: unchanged
+
+
+def test_async_trainer_ladder_acts_on_the_total(tmp_path):
+  """A tiny async run with a ladder: each probe's decision value is the total measured before
+  the update, and the schedule switches exactly when it reaches tau."""
+  cfg = get_train_config("tiny", SMALL + [f"out_dir={tmp_path}", "num_steps=3",
+                                          "max_staleness=1", "partial_rollouts=true",
+                                          "schedule=constant:3", "ladder=constant:2",
+                                          "probe_every=1", "probe_min_count=1",
+                                          "ladder_patience=1", "tau=0.5"])
+  with Trainer(cfg, quiet=True) as tr:
+    rows = [tr.train_step() for _ in range(3)]
+    assert sorted(tr.policy_history) == [2]  # the version before the last update, kept
+  probed = [r for r in rows if "ladder/probe_tail_total" in r]
+  assert probed, rows
+  for r in probed:
+    assert r["ladder/probe_tail_alpha"] == r["ladder/probe_tail_total"]
+    assert r["ladder/index"] == float(r["ladder/probe_tail_total"] >= 0.5)
