@@ -18,7 +18,9 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           scoring (landmark gather + scores in XLA, and the page-score
                           kernel) with float32 and with bf16 landmarks, top-k, and the whole
                           sparse step (kernel scoring + top-k + kernel) with either landmark
-                          dtype.
+                          dtype; per budget the kernel with no slot valid (its fixed cost)
+                          and `sweep`: the kernel with other launches (8 pages per block, 3
+                          stages, 8 warps; `Sizes.sparse_sweep`).
   d dense_baseline        dense paged decode at the same shape: our kernel (a few launch
                           configs), jax's `pallas.ops.gpu.paged_attention` and the XLA path, in
                           ms and GB/s of the sequences' own K/V pages.
@@ -126,6 +128,9 @@ class Sizes:
   sparse_config: SparseDecodeConfig
   dense_configs: tuple[PagedDecodeConfig, ...]  # the first is the default
   jax_paged: dict  # launch arguments of jax's paged_attention
+  # Section c: more sparse-kernel launches timed beside `sparse_config` at each budget
+  # (issue 51: the sparse kernel's share of copy bandwidth by block size / stages / warps).
+  sparse_sweep: tuple[SparseDecodeConfig, ...] = ()
 
 
 FULL = Sizes(
@@ -141,14 +146,19 @@ FULL = Sizes(
                    PagedDecodeConfig(pages_per_block=4),
                    PagedDecodeConfig(pages_per_block=16, num_warps=8),
                    PagedDecodeConfig(num_warps=8), PagedDecodeConfig(num_stages=3)),
-    jax_paged=dict(k_splits=16, pages_per_compute_block=8))
+    jax_paged=dict(k_splits=16, pages_per_compute_block=8),
+    # 8 pages = 128 keys per block, the dense default's block (docs/gpu/sparse_kernel_ptx.md)
+    sparse_sweep=(SparseDecodeConfig(pages_per_block=8), SparseDecodeConfig(num_stages=3),
+                  SparseDecodeConfig(pages_per_block=8, num_stages=3),
+                  SparseDecodeConfig(pages_per_block=8, num_warps=8)))
 
 SMOKE = Sizes(  # every code path once, at the smallest shapes the kernels accept
     batch=2, heads=16, kv_heads=2, head_dim=16, page_size=16, context=128, budgets=(1, 2),
     check_shapes=((2, 16, 2, 16, 128),), check_budget=2, copy_mib=4, repeats=2, inner=1,
     sparse_config=SparseDecodeConfig(k_splits=2, pages_per_block=1),
     dense_configs=(PagedDecodeConfig(k_splits=2, pages_per_block=1),),
-    jax_paged=dict(k_splits=2, pages_per_compute_block=1))
+    jax_paged=dict(k_splits=2, pages_per_compute_block=1),
+    sparse_sweep=(SparseDecodeConfig(k_splits=2, pages_per_block=2),))
 
 
 # Section e: the engine on a random-init model. The full run uses Qwen3-1.7B at the batch the
@@ -442,6 +452,19 @@ def sparse_bandwidth(run: Run) -> dict:
     attend = jax.jit(functools.partial(dispatch.sparse_decode_attention, backend=run.backend,
                                        config=z.sparse_config))
     kernel_ms = run.time_ms(attend, *case, page_idx, valid)
+    nbytes = page_bytes(run, valid.sum())
+    # The same call with no slot valid: launch, slot resolution, empty programs and the merge
+    # (the fixed cost; 2026-12-04's four budgets fit kernel_ms ~ 0.070 ms + bytes / 2,358 GB/s)
+    empty_ms = run.time_ms(attend, *case, page_idx, jnp.zeros_like(valid))
+    sweep = []
+    for cfg in z.sparse_sweep:
+      if not run.has_time(f"budget {budget} {cfg}"):
+        continue
+      ms = run.time_ms(jax.jit(functools.partial(
+          dispatch.sparse_decode_attention, backend=run.backend, config=cfg)),
+          *case, page_idx, valid)
+      sweep.append(dict(config=dataclasses.asdict(cfg), kernel_ms=ms,
+                        kernel_gbps=nbytes / ms / 1e6, pct_of_copy=100 * nbytes / ms / 1e6 / copy))
     topk = jax.jit(functools.partial(selection.select_pages, max_budget=budget,
                                      slot_multiple=slot_multiple))
     topk_ms = run.time_ms(topk, scores, num_pages, budgets)
@@ -455,12 +478,14 @@ def sparse_bandwidth(run: Run) -> dict:
 
     step_fn = jax.jit(functools.partial(step, max_budget=budget))
     step_ms = {name: run.time_ms(step_fn, *case, lm, budgets) for name, lm in by_dtype.items()}
-    nbytes = page_bytes(run, valid.sum())
     gbps = nbytes / kernel_ms / 1e6
     rows.append(dict(budget=budget, selected_pages=int(valid.sum()), kv_bytes=nbytes,
                      kernel_ms=kernel_ms, kernel_gbps=gbps, pct_of_copy=100 * gbps / copy,
+                     kernel_ms_no_pages=empty_ms,
+                     pct_of_copy_past_fixed=(100 * nbytes / (kernel_ms - empty_ms) / 1e6 / copy
+                                             if kernel_ms > empty_ms else None),
                      topk_ms=topk_ms, step_ms=step_ms["float32"],
-                     step_ms_bf16_landmarks=step_ms["bfloat16"]))
+                     step_ms_bf16_landmarks=step_ms["bfloat16"], sweep=sweep))
   run.cache["sparse_step_ms"] = {r["budget"]: r["step_ms_bf16_landmarks"] for r in rows}
   return dict(shape=_bench_shape(run), config=dataclasses.asdict(z.sparse_config),
               copy_gbps=copy, score_ms=score_ms, score_kernel_ms=score_kernel_ms,

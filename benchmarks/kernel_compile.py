@@ -4,6 +4,7 @@
     python benchmarks/kernel_compile.py --target sm_90 --json     # ... + JSON list, last line
     python benchmarks/kernel_compile.py --target sm_90 --only defaults --models qwen3_1p7b
     python benchmarks/kernel_compile.py --splits                  # split-K launch table
+    python benchmarks/kernel_compile.py --ptx DIR                 # dense vs sparse PTX
 
 No GPU is needed: each kernel is exported for CUDA (the Pallas Triton lowering runs on the
 CPU), its Triton IR taken from the `__gpu$xla.gpu.triton` custom call and compiled with PyPI
@@ -24,6 +25,13 @@ Exit status: 0, or 1 when a default configuration fails (sweep rows are reported
 2 for bad arguments or a jaxlib that no longer emits the Triton IR on a CPU (> 0.10.2; the
 message says so). Caveat: PyPI triton is not XLA's pinned Triton: this screens limits and
 unsupported ops; it does not reproduce XLA's build exactly.
+
+`--ptx DIR` compiles the dense and sparse defaults at Qwen3-1.7B's decode shape (16 q / 8 kv
+heads x 128, bf16, page 16, a 4,096-page pool, 2,048-page tables, and for the sparse kernel the
+selection slots of the published `qwen3-1.7b-0.86` schedule's largest budget) and writes each
+kernel's TTGIR and PTX into DIR, with a table of the memory and tensor-core instructions of
+each kernel's K/V block loop by width (`gpu_compile.ptx_memory_ops`; docs/gpu/
+sparse_kernel_ptx.md reads them).
 
 `--splits` prints, per GPU training preset (64 slots per device, max length 34,816 tokens, its
 schedule's largest budget), the programs each kernel launches and the float32 partial bytes it
@@ -296,6 +304,56 @@ def print_split_table(rows) -> None:
           f"{b['partial_bytes'] / 1024:.0f} -> {a['partial_bytes'] / 1024:.0f} |")
 
 
+PTX_SHAPE = dict(batch=16, heads=16, kv_heads=8, head_dim=128, pool_pages=4096,
+                 table_pages=2048, schedule="qwen3-1.7b-0.86")
+
+
+def ptx_rows(out_dir: str) -> list[dict]:
+  """Compile the dense and sparse default kernels at `PTX_SHAPE`, write `{kernel}.ttgir` /
+  `.ptx` into `out_dir`, return per kernel its resources and `ptx_memory_ops` counts."""
+  from sparrow_jax.schedule import get_schedule
+  from sparrow_jax.pallas_kernels.selection import num_selected_slots
+
+  z = PTX_SHAPE
+  sched = get_schedule(z["schedule"])
+  slots = num_selected_slots(max(sched.budgets), sched.reserved_bos, sched.reserved_recent)
+  s = jax.ShapeDtypeStruct
+  b, kvh, d = z["batch"], z["kv_heads"], z["head_dim"]
+  pool = s((kvh, z["pool_pages"], PAGE_SIZE, d), jnp.bfloat16)
+  base = (s((b, z["heads"], d), jnp.bfloat16), pool, pool, s((b, z["table_pages"]), jnp.int32),
+          s((b,), jnp.int32))
+  sel = (s((b, kvh, slots), jnp.int32), s((b, kvh, slots), jnp.bool_))
+  os.makedirs(out_dir, exist_ok=True)
+  rows = []
+  for kernel, fn, args in (
+      ("dense", functools.partial(paged_decode, config=PagedDecodeConfig()), base),
+      ("sparse", functools.partial(sparse_decode, config=SparseDecodeConfig()), base + sel)):
+    (call,) = gpu_compile.triton_calls(fn, *args)
+    stages: dict = {}
+    res = gpu_compile.compile_call(call, stages_out=stages)
+    for stage in ("ttgir", "ptx"):
+      with open(os.path.join(out_dir, f"{kernel}.{stage}"), "w") as f:
+        f.write(stages[stage])
+    rows.append(dict(kernel=kernel, slots=slots if kernel == "sparse" else None,
+                     registers=res.registers, spill_bytes=res.spill_bytes,
+                     shared_bytes=res.shared_bytes, num_warps=res.num_warps,
+                     num_stages=res.num_stages, blocks_per_sm=res.blocks_per_sm,
+                     **{("kernel_ops" if k == "kernel" else k): v
+                        for k, v in gpu_compile.ptx_memory_ops(stages["ptx"]).items()}))
+  return rows
+
+
+def print_ptx_table(rows) -> None:
+  ops = sorted({k for r in rows for k in r["loop"]})
+  print("| kernel | registers | shared KiB | blocks/SM | loop PTX lines | "
+        + " | ".join(ops) + " |")
+  print("|---" * (5 + len(ops)) + "|")
+  for r in rows:
+    print(f"| {r['kernel']} | {r['registers']} | {r['shared_bytes'] / 1024:.1f} | "
+          f"{r['blocks_per_sm']} | {r['loop_lines']} | "
+          + " | ".join(str(r["loop"].get(op, 0)) for op in ops) + " |")
+
+
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else list(argv)
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -304,6 +362,9 @@ def main(argv=None) -> int:
   ap.add_argument("--only", default="all", help="defaults | sweep | all")
   ap.add_argument("--models", default="", help="comma-separated model presets (defaults only)")
   ap.add_argument("--splits", action="store_true", help="print the split-K launch table only")
+  ap.add_argument("--ptx", default="", metavar="DIR",
+                  help="write the dense and sparse kernels' TTGIR / PTX into DIR and print "
+                       "their block loops' memory instructions")
   args = ap.parse_args(argv)
   if args.target != "sm_90":
     print(f"kernel_compile: --target={args.target!r}: expected 'sm_90' (H200)", file=sys.stderr)
@@ -318,6 +379,16 @@ def main(argv=None) -> int:
     print(f"kernel_compile: --models {unknown}: expected model presets {sorted(MODEL_PRESETS)}",
           file=sys.stderr)
     return 2
+  if args.ptx:
+    try:
+      rows = ptx_rows(args.ptx)
+    except gpu_compile.TritonIRUnavailable as e:
+      print(f"kernel_compile: {e}", file=sys.stderr)
+      return 2
+    print_ptx_table(rows)
+    if args.json:
+      print(json.dumps(rows))
+    return 0
   if args.splits:
     rows = split_rows()
     print_split_table(rows)

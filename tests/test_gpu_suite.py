@@ -68,6 +68,12 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(_positive(r[k]) for k in ("kernel_ms", "kernel_gbps", "pct_of_copy", "step_ms",
                                          "topk_ms", "step_ms_bf16_landmarks"))
     assert r["kv_bytes"] == 2 * r["selected_pages"] * 16 * 16 * 2  # K+V, S=16, D=16, bf16
+    assert _positive(r["kernel_ms_no_pages"])  # the call with no slot valid
+    assert r["pct_of_copy_past_fixed"] is None or _positive(r["pct_of_copy_past_fixed"])
+    # the sparse launch sweep (SMOKE.sparse_sweep: 2 pages per block) timed beside it
+    assert [c["config"]["pages_per_block"] for c in r["sweep"]] == [2]
+    assert all(_positive(c[k]) for c in r["sweep"] for k in ("kernel_ms", "kernel_gbps",
+                                                             "pct_of_copy"))
   assert all(_positive(sparse[t][k]) for k in ("float32", "bfloat16")
              for t in ("score_ms", "score_kernel_ms"))
   lm_bytes = sparse["landmark_bytes"]

@@ -183,8 +183,11 @@ def blocks_per_sm(registers: int, shared_bytes: int, num_warps: int,
   return max(0, min(by_regs, by_shared, by_warps, limits.max_blocks_per_sm))
 
 
-def compile_call(call: TritonCall, limits: GpuLimits = H200) -> Resources:
-  """Compiles one kernel's Triton IR for `limits.capability` with PyPI triton and ptxas -v."""
+def compile_call(call: TritonCall, limits: GpuLimits = H200,
+                 stages_out: dict | None = None) -> Resources:
+  """Compiles one kernel's Triton IR for `limits.capability` with PyPI triton and ptxas -v.
+  `stages_out`: a dict that receives the text of every stage ("ttir", "ttgir", "llir",
+  "ptx"; the PTX is what `ptx_memory_ops` reads)."""
   from triton._C.libtriton import ir as tir
   from triton.backends.compiler import GPUTarget, Language
   from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
@@ -208,6 +211,8 @@ def compile_call(call: TritonCall, limits: GpuLimits = H200) -> Resources:
     metadata: dict = {}
     for stage in ("ttir", "ttgir", "llir", "ptx"):
       module = stages[stage](module, metadata)
+      if stages_out is not None:
+        stages_out[stage] = module if isinstance(module, str) else str(module)
     ptx = os.path.join(tmp, "kernel.ptx")
     with open(ptx, "w") as f:
       f.write(module)
@@ -228,3 +233,62 @@ def compile_call(call: TritonCall, limits: GpuLimits = H200) -> Resources:
 def compile_fn(fn, *args, limits: GpuLimits = H200) -> list[Resources]:
   """Resources of every Pallas Triton kernel `fn(*args)` launches, compiled for `limits`."""
   return [compile_call(c, limits) for c in triton_calls(fn, *args)]
+
+
+_PTX_OP = re.compile(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)")
+_LABEL = re.compile(r"^(\$L__\w+):")
+_BRANCH = re.compile(r"\bbra(?:\.uni)?\s+(\$L__\w+);")
+MEMORY_OPS = ("ld.global", "st.global", "cp.async.ca", "cp.async.cg", "ld.shared", "st.shared",
+              "ldmatrix", "stmatrix", "mma", "bar.sync")
+
+
+def _op_key(line: str) -> str | None:
+  """The memory / tensor-core op of one PTX line with its width: `ld.global.v4.b32` ->
+  "ld.global 128b", `cp.async.cg.shared.global [..], [..], 0x10` -> "cp.async.cg 16B"."""
+  found = _PTX_OP.match(line)
+  if not found:
+    return None
+  op = found.group(1)
+  base = next((m for m in MEMORY_OPS if op.startswith(m)), None)
+  if base is None:
+    return None
+  if base in ("ld.global", "st.global", "ld.shared", "st.shared"):
+    vec = re.search(r"\.v(\d)", op)
+    bits = re.search(r"\.[bfus](\d+)$", op)
+    width = (int(vec.group(1)) if vec else 1) * (int(bits.group(1)) if bits else 0)
+    return f"{base} {width}b"
+  if base.startswith("cp.async"):
+    size = re.search(r",\s*(0x[0-9a-fA-F]+|\d+)\s*(?:,|;)", line)
+    return f"{base} {int(size.group(1), 0)}B" if size else base
+  return base
+
+
+def ptx_memory_ops(ptx: str) -> dict:
+  """Counts of the global / shared memory and tensor-core instructions of a kernel's PTX, by
+  op and width ("ld.global 128b": ld.global.v4.b32; "cp.async.cg 16B"; "mma"; ...), for the
+  whole kernel ("kernel") and for its largest loop ("loop": the lines from a label to the
+  last branch back to it, i.e. the K/V block loop of the decode kernels; {} without a loop).
+  Static counts: what one trip of the loop issues per thread, not what executes."""
+  lines = ptx.splitlines()
+  labels = {}
+  loops = []
+  for i, line in enumerate(lines):
+    lab = _LABEL.match(line.strip())
+    if lab:
+      labels[lab.group(1)] = i
+    br = _BRANCH.search(line)
+    if br and br.group(1) in labels:
+      loops.append((labels[br.group(1)], i))
+
+  def count(part):
+    out: dict[str, int] = {}
+    for line in part:
+      key = _op_key(line)
+      if key:
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items()))
+
+  loop = max(loops, key=lambda se: se[1] - se[0], default=None)
+  return {"kernel": count(lines),
+          "loop": count(lines[loop[0]:loop[1] + 1]) if loop else {},
+          "loop_lines": (loop[1] - loop[0] + 1) if loop else 0}

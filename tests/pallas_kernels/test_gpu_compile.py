@@ -164,3 +164,45 @@ def test_splits_are_sized_to_the_work():
   assert call.grid == (4, 8, n(batch=4, kv_heads=8, num_blocks=4))
   out = jax.eval_shape(functools.partial(pd.paged_decode_partials, interpret=True), *args)
   assert out[0].shape == (4, 8, n(batch=4, kv_heads=8, num_blocks=4), 2, 128)
+
+
+def test_ptx_memory_ops_counts_widths_and_the_loop():
+  ptx = "\n".join([
+      "\tld.global.b32 { %r1 }, [ %rd1 + 0 ];",  # before the loop
+      "$L__BB0_1:",
+      "\t@%p1 ld.global.v4.b32 { %r2, %r3, %r4, %r5 }, [ %rd2 + 0 ];",
+      "\t@!%p2 cp.async.cg.shared.global [ %r6 + 0 ], [ %rd3 + 0 ], 0x10, %r7;",
+      "\tcp.async.ca.shared.global [ %r8 + 0 ], [ %rd4 + 0 ], 0x4, %r9;",
+      "\tldmatrix.sync.aligned.m8n8.x4.shared.b16 { %r10 }, [ %r11 ];",
+      "\tmma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 { %f1 }, { %r1 }, { %r2 }, { %f2 };",
+      "\tst.shared.v2.b32 [ %r12 ], { %r13, %r14 };",
+      "\tadd.s32 %r15, %r15, 1;",
+      "\t@%p3 bra \t$L__BB0_1;",
+      "\tst.global.b32 [ %rd5 + 0 ], { %r16 };",
+      "\tbra.uni \t$L__BB0_2;",  # a forward branch is no loop
+      "$L__BB0_2:",
+      "\tret;"])
+  ops = gpu_compile.ptx_memory_ops(ptx)
+  assert ops["loop"] == {"cp.async.ca 4B": 1, "cp.async.cg 16B": 1, "ld.global 128b": 1,
+                         "ldmatrix": 1, "mma": 1, "st.shared 64b": 1}
+  assert ops["loop_lines"] == 9
+  assert ops["kernel"]["ld.global 32b"] == 1 and ops["kernel"]["st.global 32b"] == 1
+  assert gpu_compile.ptx_memory_ops("\tret;") == {"kernel": {}, "loop": {}, "loop_lines": 0}
+
+
+def test_sparse_kernel_loop_reads_resolved_pages(script, tmp_path):
+  """Issue 51: the sparse kernel's block loop at Qwen3-1.7B's shape and the published budget
+  loads its pages' physical ids as one 128-bit vector and then K (cp.async, 16 B) and V
+  (128-bit loads): no scalar page-table gather in front of the K/V loads (before: a 128-bit
+  load of the logical ids, then 4 dependent 32-bit page-table loads), as the dense kernel's
+  loop has one level of index loads in front of its K/V."""
+  try:
+    rows = {r["kernel"]: r for r in script.ptx_rows(str(tmp_path))}
+  except gpu_compile.TritonIRUnavailable as e:
+    pytest.skip(str(e))
+  sparse, dense = rows["sparse"]["loop"], rows["dense"]["loop"]
+  assert sparse.get("ld.global 32b", 0) == 0, sparse
+  assert sparse["ld.global 128b"] == 1 + 8  # the 4 ids, then 64 x 128 bf16 V rows / 128 thr
+  assert sparse["cp.async.cg 16B"] == 8 and dense["cp.async.cg 16B"] == 16  # K, 16 B each
+  assert rows["sparse"]["spill_bytes"] == rows["dense"]["spill_bytes"] == 0
+  assert (tmp_path / "sparse.ptx").read_text().count("mma.sync") == 32
