@@ -1,4 +1,5 @@
-"""The agent loop: multi-turn, tool-using rollouts over any `generate(requests)`.
+"""The agent loop: multi-turn, tool-using rollouts over an engine session (or any
+`generate(requests)`).
 
 One trajectory is the prompt, then turns: the policy generates until the end of its turn (its
 EOS, or a stop string of the tool format), the format parses the turn's tool calls, the
@@ -8,16 +9,27 @@ then goes on from the whole context. A trajectory ends at a turn without a call,
 environment tokens together) is spent. tunix's trajectory collector and verl's agent loop
 play the same part.
 
-Each round sends every live trajectory to `generate` as one request: the original prompt,
-the trajectory so far as its context (`Request.context_ids`), the same sampling seed and the
-whole response budget. The engine samples the token at position p from
-`fold_in(key(seed), p)`, so a trajectory's tokens do not depend on how its turns were split
-into rounds, and it prefills the context as it readmits a preempted sequence (block-sparse
-attention beyond the prompt, as decode attended), so every policy token's log-prob is the one
-a teacher-forced sparse forward of the whole trajectory gives at its position (the
-recompute's convention: the prompt dense, everything after it as decode). The context's KV is
-recomputed at each round: appending the environment's tokens into a paused sequence's own
-pages without recomputing its history is not built.
+Two ways to run the turns, with the same trajectories token for token:
+
+  `run(requests, engine=engine)` (the default of training, eval and generate): one rollout
+    session (`engine/session.py`). Every request carries the format's stop ids as
+    `pause_token_ids`: at a tool-call boundary the sequence *pauses* holding its KV pages,
+    the loop runs the turn's tools as soon as the step it paused in returns, and
+    `session.resume` appends the tool responses; the engine writes only those tokens into the
+    sequence's own pages at their true positions (teacher-forced decode steps, block-sparse
+    as decode attends) and it decodes on. The history is never prefilled again: the
+    engine's `prefill_tokens` are the prompts (plus readmissions after a preemption) and its
+    `append_tokens` the environment's tokens (plus the token each pause stopped on).
+  `run(requests, generate)` (the reference): rounds; each sends every live trajectory to
+    `generate` as one request, the trajectory so far as its context (`Request.context_ids`),
+    which the engine prefills as it readmits a preempted sequence (block-sparse beyond the
+    prompt, as decode attended): the whole history is prefilled again every round.
+
+Either way the engine samples the token at position p from `fold_in(key(seed), p)`, so a
+trajectory's tokens do not depend on how its turns were split or where its KV came from, and
+every policy token's log-prob is the one a teacher-forced sparse forward of the whole
+trajectory gives at its position (the recompute's convention: the prompt dense, everything
+after it as decode attends).
 
 The result is one `Completion` per request, in request order: `token_ids` every response token
 (policy and environment), `logprobs` the policy's (0 on environment tokens), `loss_mask` 1 on
@@ -113,7 +125,16 @@ class AgentLoop:
     self.rounds = 0  # engine calls of the last run
 
   def run(self, requests: Sequence[Request],
-          generate: Callable[[list[Request]], list[Completion]]) -> list[Completion]:
+          generate: Callable[[list[Request]], list[Completion]] | None = None, *,
+          engine=None, lora=None) -> list[Completion]:
+    """Trajectories of `requests`: through a rollout session of `engine` (a
+    `GenerationEngine`; `lora` the sparse actor's adapter; the engine's `last_stats` hold the
+    session's counters afterwards) or, given `generate`, in re-prefill rounds."""
+    if (generate is None) == (engine is None):
+      raise ValueError("AgentLoop.run: pass exactly one of generate (re-prefill rounds) and "
+                       "engine (a session that pauses and appends)")
+    if engine is not None:
+      return self._run_session(requests, engine, lora)
     trajs = [_Traj(r) for r in requests]
     live = list(range(len(trajs)))
     self.rounds = 0
@@ -126,6 +147,41 @@ class AgentLoop:
         if self._absorb(trajs[i], c):
           nxt.append(i)
       live = nxt
+    self.last_records = [t.record for t in trajs]
+    return [self._completion(t) for t in trajs]
+
+  def _run_session(self, requests, engine, lora) -> list[Completion]:
+    from sparrow_jax.engine.session import EngineSession  # (agents sit above the engine)
+    trajs = [_Traj(r) for r in requests]
+    session = EngineSession(engine, lora=lora)
+    # Every id that ends a turn pauses (the format's stop ids, the request's, EOS): the loop
+    # decides, as after a round of the reference path, whether the trajectory goes on. The
+    # request id is the trajectory's index: unique, whatever the callers' ids are.
+    eos = tuple(engine.model_config.eos_token_ids)
+    session.add([Request(t.req.prompt_ids, t.req.sampling, j, t.req.group,
+                         pause_token_ids=tuple(sorted(
+                             set(self.stop_ids) | set(t.req.sampling.stop_token_ids)
+                             | set(() if t.req.sampling.ignore_eos else eos))))
+                 for j, t in enumerate(trajs)])
+    self.rounds = 0
+    while session.has_work():
+      session.step()
+      paused = session.collect_paused()
+      self.rounds += bool(paused)
+      for c in paused:
+        t = trajs[c.request_id]
+        k = len(c.token_ids)
+        if self._absorb(t, dataclasses.replace(c, finish_reason="stop")):
+          session.resume(c.request_id, t.ids[k:])
+        else:
+          session.finish(c.request_id)
+      for c in session.collect():
+        t = trajs[c.request_id]
+        if not t.finish:  # (one `finish`ed above is complete already)
+          if self._absorb(t, c):
+            raise AssertionError(f"request {t.req.request_id!r} finished with "
+                                 f"{c.finish_reason!r} but its turn goes on")
+    engine.record_stats(session)
     self.last_records = [t.record for t in trajs]
     return [self._completion(t) for t in trajs]
 

@@ -143,6 +143,11 @@ class Request:
   # max_new_tokens, and lead the completion's token_ids with log-prob 0; generation goes on
   # after them.
   context_ids: Sequence[int] = ()
+  # Stop ids on which the sequence *pauses* instead of finishing (a tool-call boundary): it
+  # keeps its slot and KV pages until `EngineSession.resume` appends the environment's tokens
+  # (prefilled into its own pages; the history is not recomputed) or `EngineSession.finish`
+  # ends it. Only a rollout session takes them (`GenerationEngine.generate` refuses them).
+  pause_token_ids: Sequence[int] = ()
 
 
 @dataclasses.dataclass
@@ -150,7 +155,8 @@ class Completion:
   """One finished sequence. `finish_reason` is 'stop' (EOS/stop id, included in
   `token_ids`), 'length' (max_new_tokens), 'context' (max_seq_len reached) or 'pruned'
   (removed by the prune hook while running; `pruned` is also set for a sequence that finished
-  after L_detect but before its group was decided)."""
+  after L_detect but before its group was decided). A session reports a sequence that paused
+  on one of its `pause_token_ids` as a Completion with 'paused' (`EngineSession.collect_paused`)."""
 
   request_id: Any
   prompt_ids: np.ndarray  # [P] int32

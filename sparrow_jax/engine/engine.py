@@ -85,7 +85,11 @@ __all__ = ["AXIS", "Completion", "EngineConfig", "GenerationEngine", "Request",
            "resolve_pool_pages"]
 
 _COUNTS = ("prefills", "prefill_tokens", "decode_chunks", "decode_steps", "idle_slot_steps",
-           "busy_slot_steps", "wasted_decode_steps", "overlapped_chunks", "device_wait_s")
+           "busy_slot_steps", "wasted_decode_steps", "overlapped_chunks", "device_wait_s",
+           "appends", "append_tokens", "pauses")
+
+
+_APPEND_CHUNK = 64  # context tokens one append call writes per sequence (`_append`)
 
 
 def _next_pow2(n: int) -> int:
@@ -149,6 +153,7 @@ class _Run:
   det: DetectionTable | None = None
   det_consts: tuple = ()  # (head, detection stop ids) on the rollout devices
   done: dict = dataclasses.field(default_factory=dict)  # request index -> Completion
+  paused: dict = dataclasses.field(default_factory=dict)  # paused since the last collect
   counts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
@@ -366,12 +371,14 @@ class GenerationEngine(DeviceSteps):
             f"(max_new_tokens={r.sampling.max_new_tokens}, prompt {n}, max_seq_len="
             f"{cfg.max_seq_len})")
       _check_vocab(r.request_id, "context token ids", r.context_ids, vocab)
-      stop = set(r.sampling.stop_token_ids)
+      _check_vocab(r.request_id, "pause token ids", r.pause_token_ids, vocab)
+      stop = set(r.sampling.stop_token_ids) | set(int(t) for t in r.pause_token_ids)
       if not r.sampling.ignore_eos:
         stop.update(self.model_config.eos_token_ids)
       seq = SeqState(req=r, index=i, stop_ids=frozenset(stop),
                      max_len=min(n + r.sampling.max_new_tokens, cfg.max_seq_len),
-                     continued=k > 0)
+                     continued=k > 0,
+                     pause_ids=frozenset(int(t) for t in r.pause_token_ids))
       need, cap = sched.max_pages_of(seq), sched.allocators[0].capacity
       if need > cap:
         raise ValueError(
@@ -415,6 +422,10 @@ class GenerationEngine(DeviceSteps):
     A thin loop over a rollout session (`session.py`): every request added at once, one
     scheduling + decode-chunk iteration at a time until all finished.
     """
+    paused = [r.request_id for r in requests if len(r.pause_token_ids)]
+    if paused:
+      raise ValueError(f"generate: requests {paused[:5]} have pause_token_ids; a paused "
+                       "sequence needs a rollout session (EngineSession.resume)")
     session = EngineSession(self, requests, lora=lora, prune=prune)  # all checked first
     run = session.run
     reported: set[int] = set()  # requests handed to `on_finish`
@@ -427,6 +438,12 @@ class GenerationEngine(DeviceSteps):
         reported = _report_finished(run.done, reported, on_finish)
     if on_finish is not None:
       _report_finished(run.done, reported, on_finish)
+    self.record_stats(session)
+    return [run.done[i] for i in range(len(run.seqs))]
+
+  def record_stats(self, session: EngineSession) -> None:
+    """`last_stats` from a finished session's counters; added to the cumulative `stats`."""
+    run = session.run
     self.last_stats = session.stats()
     for key, val in self.last_stats.items():
       if key not in ("pool_high_water_frac", "pool_capacity_pages", "pool_high_water_pages",
@@ -434,7 +451,6 @@ class GenerationEngine(DeviceSteps):
         self.stats[key] += val
     self.stats["pool_high_water_pages"] = max(self.stats["pool_high_water_pages"],
                                               run.sched.stats.pool_high_water)
-    return [run.done[i] for i in range(len(run.seqs))]
 
   def _begin(self, requests, lora=None, prune: PruneHook | None = None) -> _Run:
     """Validate the requests and set up the host state of one generate call (or of a
@@ -447,6 +463,8 @@ class GenerationEngine(DeviceSteps):
     seqs = self._validate(list(requests), sched)
     if prune is not None and prune.detect_len < 1:
       raise ValueError(f"prune hook detect_len={prune.detect_len}: expected >= 1")
+    if prune is not None and any(s.pause_ids for s in seqs):
+      raise ValueError("a prune hook and pause_token_ids together are not supported")
     out = OutputBuffers(np.asarray([s.max_len - s.prompt_len for s in seqs], np.int64),
                         cfg.logprobs_topk)
     for s in seqs:
@@ -511,8 +529,11 @@ class GenerationEngine(DeviceSteps):
           self._prefill(run, part)
       if run.tracker is not None:  # a group's last member may have ended in its prefill
         self._prune(run)
+    behind = [s for s in sched.running() if s.unwritten > 1]
+    if behind:  # resumed sequences: their environment tokens into their own pages first
+      self._append(run, behind)
     running = sched.running()
-    if not running and sched.queue and not admitted and admit:
+    if not running and sched.queue and not admitted and admit and not sched.paused():
       raise AssertionError("scheduler made no progress with an empty engine")
     return running
 
@@ -609,6 +630,57 @@ class GenerationEngine(DeviceSteps):
       if reason is not None:
         self._finish(run, s, reason)
 
+  def _append(self, run: _Run, seqs: list[SeqState]) -> None:
+    """Write the unwritten context tokens of resumed sequences (the token they paused on and
+    the environment's tokens after it) into their own pages at their true positions, then
+    sample each one's next token, as `_prefill` does for an admission. The history is not
+    recomputed: the tokens go through the decode step one position per step, teacher-forced,
+    every sequence of the batch at once and up to `_APPEND_CHUNK` tokens per call, so each
+    query attends exactly as decode attends (its budget by its position, landmarks written as
+    pages fill, the reserved bos/recent pages at its true end) and the next token is sampled
+    from (seed, position) like any other."""
+    cfg, d, b = self.config, self.num_shards, self.config.num_slots
+    counts = run.counts
+    while seqs:
+      inputs = np.zeros((_APPEND_CHUNK, d * b), np.int32)
+      n_in = np.zeros((d * b,), np.int32)
+      row_seq = np.full((d * b,), -1, np.int64)
+      fed = {}
+      for s in seqs:
+        if len(s.pages) * cfg.page_size <= s.context_len:  # (a write past them: the null page)
+          raise AssertionError(f"request {s.req.request_id!r}: {len(s.pages)} pages do not "
+                               f"hold its {s.context_len} context tokens and the next one")
+        r = s.shard * b + s.slot
+        todo = s.context[s.length:s.context_len][:_APPEND_CHUNK]
+        inputs[:len(todo), r], n_in[r], row_seq[r] = todo, len(todo), s.index
+        fed[s.index] = (r, len(todo))
+      width = self._page_bucket(max(len(s.pages) for s in seqs))
+      cache = self._pool().replace(page_table=jnp.asarray(run.sched.page_table(width)))
+      _, *params = run.table.rows(row_seq)
+      fn = self._get_append(run.table.max_top_k)
+      packed = () if self._packed is None else (self._packed,)
+      self._kv, tok, lp, (tk_ids, tk_lps) = fn(
+          self.state, cache, jnp.asarray(inputs), self._rows(n_in),
+          *(self._rows(x) for x in params), run.budgets, run.lora, *packed)
+      tok, lp, tk_ids, tk_lps = self._device_get(run, (tok, lp, tk_ids, tk_lps))
+      counts["appends"] += 1
+      counts["append_tokens"] += int(n_in.sum())
+      for s in seqs:
+        s.length += fed[s.index][1]
+        s.decoded = True
+      done = [s for s in seqs if s.unwritten == 0]
+      if done:  # every context token written: the token sampled after the last one is new
+        rows = np.asarray([fed[s.index][0] for s in done], np.int64)
+        run.out.append_one(row_seq[rows], np.asarray([s.num_tokens for s in done], np.int64),
+                           tok[rows], lp[rows], tk_ids[rows], tk_lps[rows],
+                           version=self.version)
+        for s in done:
+          s.num_tokens += 1
+          reason = self._reason(s, decoded=False)
+          if reason is not None:
+            self._finish(run, s, reason)
+      seqs = [s for s in seqs if s.unwritten > 0 and s not in done]
+
   def _reason(self, s: SeqState, decoded: bool = True) -> str | None:
     """Finish reason of a sequence whose last token was just sampled (None: it goes on).
     After a decode chunk (`decoded`) the device has already decided that it ends."""
@@ -687,8 +759,10 @@ class GenerationEngine(DeviceSteps):
     counts["busy_slot_steps"] += int(np.sum(steps * chunk.occupied))
     # Rows the host still runs (an overlapped chunk may hold rows that ended or were pruned
     # when the chunk before it was read).
+    # (A sequence that paused in the chunk before an overlapped one is inactive in it.)
     live = np.asarray([r for r, s in enumerate(chunk.rows)
-                       if s is not None and s.slot >= 0 and s.index not in run.done], np.int64)
+                       if s is not None and s.slot >= 0 and s.index not in run.done
+                       and not s.paused], np.int64)
     if not live.size:
       return
     seq_ids, n_new = chunk.row_seq[live], count[live].astype(np.int64)
@@ -712,6 +786,11 @@ class GenerationEngine(DeviceSteps):
     self._absorb(run, self._dispatch(run, running))
 
   def _finish(self, run: _Run, seq: SeqState, reason: str) -> None:
+    if reason == "stop" and seq.pending in seq.pause_ids:  # a tool-call boundary: it pauses
+      seq.paused = True
+      run.paused[seq.index] = self._complete(run, seq, "paused")
+      run.counts["pauses"] += 1
+      return
     run.done[seq.index] = self._complete(run, seq, reason)
     run.sched.release(seq)
 

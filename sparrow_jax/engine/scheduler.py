@@ -27,6 +27,14 @@ before it has read the previous one.
 
 Sampling is a pure function of (request seed, position), so where and when a sequence runs,
 and how often it is preempted, does not change its tokens.
+
+Paused sequences (a rollout session's tool-call boundary, `SeqState.paused`) keep their slot
+and pages but are not running: no decode chunk takes them and `grow()` gives them nothing.
+When a shard runs out of pages, its paused sequences are preempted first (newest first), before
+any running one: a paused sequence waits for its environment, a running one would lose decode
+work. A preempted paused sequence is *parked*: it leaves its slot and pages but not the queue's
+back door; it waits outside the queue until its environment tokens arrive (`unpark`), then is
+queued at the front and readmitted like any preempted sequence (prompt + history prefilled).
 """
 
 from __future__ import annotations
@@ -103,6 +111,8 @@ class SeqState:
   admitted_at: int = -1  # admission counter (preemption takes the largest)
   preemptions: int = 0
   continued: bool = False  # starts from context tokens (`Request.context_ids`)
+  pause_ids: frozenset = frozenset()  # stop ids that pause it (`Request.pause_token_ids`)
+  paused: bool = False  # stopped at a pause id, waiting for its environment's tokens
   prefilled: int = 0  # tokens the last admission prefills
   decoded: bool = False  # a decode step ran since the last admission
   extra: dict = dataclasses.field(default_factory=dict)  # hooks' per-sequence state
@@ -128,6 +138,12 @@ class SeqState:
                            self.tokens[:self.num_tokens]])
 
   @property
+  def unwritten(self) -> int:
+    """Context tokens a running sequence holds but its cache does not yet (the sampled token
+    a decode step writes next, plus environment tokens appended since it paused)."""
+    return self.context_len - self.length
+
+  @property
   def pending(self) -> int:
     """The last sampled token, not yet written into the cache."""
     return int(self.tokens[self.num_tokens - 1])
@@ -141,6 +157,7 @@ class SeqState:
 @dataclasses.dataclass
 class SchedulerStats:
   preemptions: int = 0
+  paused_preemptions: int = 0  # of those, sequences preempted while paused (parked)
   recomputed_tokens: int = 0  # prompt + generated tokens prefilled again after a preemption
   wasted_prefill_tokens: int = 0  # prefilled, then preempted before one decode step
   admissions: int = 0
@@ -149,7 +166,8 @@ class SchedulerStats:
   shard_admissions: list = dataclasses.field(default_factory=list)  # admissions per shard
 
   def as_dict(self) -> dict[str, float]:
-    return {"preemptions": self.preemptions, "recomputed_tokens": self.recomputed_tokens,
+    return {"preemptions": self.preemptions, "paused_preemptions": self.paused_preemptions,
+            "recomputed_tokens": self.recomputed_tokens,
             "wasted_prefill_tokens": self.wasted_prefill_tokens,
             "admissions": self.admissions, "pool_high_water_pages": self.pool_high_water,
             "pool_capacity_pages": self.pool_capacity,
@@ -191,12 +209,19 @@ class Scheduler:
     self.queue.extend(seqs)
 
   def running(self) -> list[SeqState]:
-    """Running sequences, oldest admission first."""
-    out = [s for shard in self.slots for s in shard if s is not None]
+    """Running sequences (slotted, not paused), oldest admission first."""
+    out = [s for shard in self.slots for s in shard if s is not None and not s.paused]
+    return sorted(out, key=lambda s: s.admitted_at)
+
+  def paused(self) -> list[SeqState]:
+    """Paused sequences that hold a slot, oldest admission first."""
+    out = [s for shard in self.slots for s in shard if s is not None and s.paused]
     return sorted(out, key=lambda s: s.admitted_at)
 
   def has_work(self) -> bool:
-    return bool(self.queue) or any(s is not None for shard in self.slots for s in shard)
+    """Something is queued or running (a paused sequence waits for its environment)."""
+    return bool(self.queue) or any(s is not None and not s.paused
+                                   for shard in self.slots for s in shard)
 
   def _free_slot_shards(self):
     """(shard, slot) pairs that are free, spread over shards (round robin by slot index) so
@@ -243,17 +268,22 @@ class Scheduler:
     return admitted
 
   def grow(self) -> list[SeqState]:
-    """Pages for every running sequence's next chunk; preempts (most recent admission first)
-    when a shard runs out. Returns the sequences that keep running, oldest first."""
+    """Pages for every running sequence's next chunk (and the environment tokens it has not
+    written yet); preempts when a shard runs out: its paused sequences first, then the most
+    recent admission. Returns the sequences that keep running, oldest first."""
     self.preempted_shards = set()
     for seq in self.running():
       if seq.slot < 0:  # preempted earlier in this loop
         continue
-      need = self.pages_needed(seq, seq.length + self.chunk) - len(seq.pages)
+      # A decode chunk writes the sampled token and chunk - 1 more: context_len - 1 + chunk
+      # tokens. A resumed sequence first writes its appended tokens and samples one more.
+      upto = seq.context_len - 1 + self.chunk + (seq.unwritten > 1)
+      need = self.pages_needed(seq, upto) - len(seq.pages)
       alloc = self.allocators[seq.shard]
       while need > alloc.num_free:
+        # paused ones first (key False < True), newest admission first within each kind
         victim = max((s for s in self.slots[seq.shard] if s is not None),
-                     key=lambda s: s.admitted_at)
+                     key=lambda s: (not s.paused, s.admitted_at))
         self.preempt(victim)
         if victim is seq:
           break
@@ -279,14 +309,25 @@ class Scheduler:
     return True
 
   def preempt(self, seq: SeqState) -> None:
-    """Free a running sequence's slot and pages and put it at the front of the queue."""
+    """Free a running sequence's slot and pages and put it at the front of the queue (a
+    paused one is parked instead: it is queued when `unpark` gives it its tokens)."""
     if not seq.decoded:
       self.stats.wasted_prefill_tokens += seq.prefilled
     self.preempted_shards.add(seq.shard)
     self.release(seq)
     seq.preemptions += 1
     self.stats.preemptions += 1
-    self.queue.appendleft(seq)
+    if seq.paused:
+      self.stats.paused_preemptions += 1
+    else:
+      self.queue.appendleft(seq)
+
+  def unpark(self, seq: SeqState) -> None:
+    """A paused sequence goes on: in its slot if it holds one, else (parked) queued at the
+    front for a readmission that prefills its whole context."""
+    seq.paused = False
+    if seq.slot < 0:
+      self.queue.appendleft(seq)
 
   def release(self, seq: SeqState) -> None:
     """Free the slot and pages of a sequence that leaves (finished, pruned or preempted)."""

@@ -43,10 +43,28 @@ repeats the prefill of the longest contexts at every step, and the correction ne
 behaviour log-probs, not a pure-version actor. The trainer's `partial_rollouts=true` keeps;
 `partial_rollouts=false` drains.
 
-Per-sequence state lives in the engine's `SeqState` (prompt, generated tokens, pages, slot,
-its `extra` dict for hooks): a sequence that stops could be queued again with its context as
-a readmission does after a preemption, which is what pausing a sequence at a tool call and
-appending environment tokens needs (not built here).
+**Pausing at a tool call** (multi-turn rollouts, `agents/loop.py`). A request's
+`pause_token_ids` (the tool format's stop ids) pause the sequence instead of finishing it:
+it keeps its slot and its KV pages, decodes nothing, and is reported once by
+`collect_paused()` (a `Completion` with finish_reason "paused": everything so far). Then
+
+    session.resume(request_id, env_token_ids)   # the environment's tokens; it decodes on
+    session.finish(request_id)                  # or: it ends here (collected as "stop")
+
+`resume` appends the tokens to the sequence: the next `step` writes them (after the token it
+paused on) into the sequence's own pages at their true positions, every resumed sequence
+at once, as decode steps teacher-forced on the given tokens (`GenerationEngine._append`):
+each position attends as decode does (dense layers all its pages, block-sparse layers its
+budget at that position, landmarks written as pages fill, the reserved bos/recent pages at
+the sequence's true end), and the history is never recomputed. Sampling stays keyed by
+(seed, position), so the trajectory is the one a re-prefill of the whole context
+(`Request.context_ids`) gives, token for token. A paused sequence keeps its slot as well as
+its pages because its page-table row is its slot's: resuming writes into that row with no
+remapping, and the agent loop resumes every paused sequence right after the step it paused
+in (its tools run on the host in between), so a slot is held only across one tool call.
+When a shard runs out of pages, the scheduler preempts paused sequences first (they lose no
+decode work); a preempted paused sequence is parked and readmitted after its `resume` with
+its whole context prefilled, as any preempted sequence is: the same trajectory again.
 
 Rows: a request takes a row of the session's tables and output buffers; `collect()` copies a
 finished completion out of them and frees its row for a later `add`, so a session that runs
@@ -102,7 +120,7 @@ class EngineSession:
     return rows
 
   def has_work(self) -> bool:
-    """Something is queued, running or in flight."""
+    """Something is queued, running or in flight (a paused sequence waits for `resume`)."""
     return self.pending is not None or self.run.sched.has_work()
 
   @property
@@ -191,6 +209,81 @@ class EngineSession:
     self.weight_updates += 1
 
   # --- results ----------------------------------------------------------------------------
+  def collect_paused(self) -> list:
+    """Completions ("paused") of sequences that paused since the last call, copies, in row
+    order; their sequences wait for `resume` or `finish`."""
+    paused = self.run.paused
+    out = []
+    for i in sorted(paused):
+      c = paused.pop(i)
+      for f in ("token_ids", "logprobs", "topk_ids", "topk_logprobs", "versions"):
+        v = getattr(c, f)
+        if v is not None:
+          setattr(c, f, np.array(v))
+      out.append(c)
+    return out
+
+  def _paused_seq(self, request_id, what: str):
+    """The live paused sequence of `request_id` (errors name what was wrong)."""
+    found = [s for s in self.run.seqs if s is not None and s.req.request_id == request_id]
+    if not found:
+      raise ValueError(f"{what}: no live sequence has request id {request_id!r} (unknown, "
+                       "or finished and collected)")
+    if len(found) > 1:
+      raise ValueError(f"{what}: {len(found)} live sequences have request id "
+                       f"{request_id!r}; request ids of paused sequences must be unique")
+    seq = found[0]
+    if seq.index in self.run.done:
+      raise ValueError(f"{what}: request {request_id!r} has finished "
+                       f"({self.run.done[seq.index].finish_reason!r}); only a paused "
+                       "sequence takes environment tokens")
+    if not seq.paused:
+      state = "queued" if seq.slot < 0 else "running"
+      raise ValueError(f"{what}: request {request_id!r} is {state}, not paused")
+    if seq.index in self.run.paused:
+      raise ValueError(f"{what}: request {request_id!r} paused but was not collected yet "
+                       "(call collect_paused first)")
+    return seq
+
+  def resume(self, request_id, token_ids: Sequence[int]) -> None:
+    """Append `token_ids` (the environment's tokens; may be empty) to the paused sequence of
+    `request_id` and let it decode on (module docstring). The tokens count against its
+    max_new_tokens and lead nothing: they follow the token it paused on, with log-prob 0."""
+    seq = self._paused_seq(request_id, "resume")
+    eng, run = self.engine, self.run
+    ids = np.asarray([int(t) for t in token_ids], np.int32)
+    vocab = eng.model_config.vocab_size
+    bad = [int(t) for t in ids if not 0 <= t < vocab]
+    if bad:
+      raise ValueError(f"resume: request {request_id!r}: environment token ids {bad[:5]} "
+                       f"outside the vocabulary [0, {vocab})")
+    if len(ids) >= seq.remaining:
+      raise ValueError(
+          f"resume: request {request_id!r}: {len(ids)} environment tokens leave no token to "
+          f"generate ({seq.remaining} left of max_new_tokens="
+          f"{seq.req.sampling.max_new_tokens} / max_seq_len={eng.config.max_seq_len})")
+    if self.pending is not None:  # book the chunk in flight before the sequence changes
+      eng._absorb(run, self.pending)
+      self.pending = None
+    n, k = seq.num_tokens, len(ids)
+    out = run.out
+    out.tokens[seq.index, n:n + k] = ids
+    out.logprobs[seq.index, n:n + k] = 0.0
+    out.versions[seq.index, n:n + k] = eng.version
+    if out.topk:
+      out.topk_ids[seq.index, n:n + k] = 0
+      out.topk_lps[seq.index, n:n + k] = 0.0
+    seq.num_tokens += k
+    run.sched.unpark(seq)
+
+  def finish(self, request_id) -> None:
+    """End the paused sequence of `request_id` now (its slot and pages are freed); `collect`
+    returns its completion, finish_reason "stop"."""
+    seq = self._paused_seq(request_id, "finish")
+    seq.paused = False
+    self.run.done[seq.index] = self.engine._complete(self.run, seq, "stop")
+    self.run.sched.release(seq)
+
   def collect(self) -> list:
     """Completions finished since the last `collect` (in row order), copied out of the
     session's buffers; their rows are free for later requests."""

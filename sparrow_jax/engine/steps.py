@@ -132,6 +132,65 @@ class DeviceSteps:
                                                                                 init)
     return cache, outs, steps[None], rec, (tok, active, remaining, count)
 
+  def _append_local(self, max_top_k, state, cache, inputs, n_in, seeds, temps, top_ps, top_ks,
+                    table, lora, packed=None):
+    """Teacher-forced decode steps over appended tokens: slot b writes `inputs[:n_in[b], b]`
+    at its positions `cache.lengths[b]...` exactly as decode writes a token (same step, same
+    budgets, landmarks as pages fill), then samples its next token from the logits of its
+    last input at its new length, as decode does. Slots with `n_in` 0 are untouched."""
+    model = nnx.merge(self.graphdef, state)
+    f, b = inputs.shape
+    mc = self.model_config
+    pos = cache.lengths[None, :] + jnp.arange(f, dtype=jnp.int32)[:, None]  # [F, B]
+    cos_t, sin_t = rope_tables(pos, mc.head_dim, mc.rope_theta)  # as `_decode_local`
+    last0 = jnp.zeros((b, mc.vocab_size), jnp.float32)
+
+    def cond(carry):
+      return carry[0] < jnp.max(n_in)
+
+    def body(carry):
+      step, cache, last = carry
+      active = step < n_in
+      budgets = None
+      if self.schedule is not None:
+        budgets = budget_pages(self.schedule, cache.lengths + 1, table)
+      rope = (jax.lax.dynamic_index_in_dim(cos_t, step, 0, keepdims=False),
+              jax.lax.dynamic_index_in_dim(sin_t, step, 0, keepdims=False))
+      tok = jax.lax.dynamic_index_in_dim(inputs, step, 0, keepdims=False)
+      cache, logits = model.decode(cache, tok, active, attention=self.attention,
+                                   budgets=budgets, lora=lora, rope=rope, packed=packed)
+      last = jnp.where(active[:, None], logits.astype(jnp.float32), last)
+      return step + 1, cache, last
+
+    _, cache, last = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, last0))
+    tok, lp = sample_tokens(last, seeds, cache.lengths, temps, top_ps, top_ks,
+                            max_top_k=max_top_k)
+    return cache, tok, lp, self._topk(last, temps)
+
+  def _get_append(self, max_top_k: int = 0):
+    """The append program: args (state, cache, inputs [F, rows], n_in, seeds, temps, top_ps,
+    top_ks, table, lora[, packed])."""
+    with_packed = self._packed is not None
+    key = ("append", self.attention, None if self.schedule is None
+           else (self.schedule.bin_size, self.schedule.num_bins), max_top_k, with_packed)
+    if key not in self._decode_fn:
+      def fn(state, cache, *args):
+        self.num_compilations += 1
+        rows = P(AXIS)
+        in_specs = (P(), self._cache_specs(), P(None, AXIS), rows, rows, rows, rows, rows,
+                    P(), P())
+        if with_packed:
+          in_specs += (P(),)
+
+        def local(st, ca, *a):
+          a = list(a)
+          packed = a.pop() if with_packed else None
+          return self._append_local(max_top_k, st, ca, *a, packed=packed)
+        out_specs = (self._cache_specs(), rows, rows, (rows, rows))
+        return self._shard(local, in_specs, out_specs)(state, cache, *args)
+      self._decode_fn[key] = jax.jit(fn, donate_argnums=(1,))
+    return self._decode_fn[key]
+
   def prefill_rope(self, t: int):
     """(cos, sin) `[t, head_dim]` of positions 0..t-1, replicated on the engine's mesh: an
     input of the prefill program rather than computed in it (`sequence_rope_tables`), cached
