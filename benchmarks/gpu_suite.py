@@ -60,7 +60,12 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           finished and its wall time, scaled, fits what is left of the guard.
                           On a GPU it needs a call of its own (`--sections j`; one 8K step
                           of each engine takes minutes): a full run's default leaves it out.
-Sections g, h and j run their jobs in their own processes and go first (this process does not
+  k async_vs_sync         `benchmarks/async_throughput.py` (issue 47): the same tiny-preset
+                          config trained synchronously and with max_staleness=1
+                          partial_rollouts=true on lognormal response lengths: trained
+                          tokens/s, engine occupancy, decode steps per mode, the ratio. A
+                          call of its own (`--sections k`), like j.
+Sections g, h, j and k run their jobs in their own processes and go first (this process does not
 preallocate GPU memory, so those jobs get the device); then a-e, i and f (f last: the time
 guard of a full run cuts it first).
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
@@ -1315,6 +1320,35 @@ def step_job(spec_path: str, out_path: str) -> int:
     _write(out_path, result)
     prev = (length, time.monotonic() - t0)
   return 0
+
+
+# Section k: synchronous vs asynchronous training steps (issue 47) on this machine's default
+# backend: benchmarks/async_throughput.py in a subprocess, its last stdout line parsed. The
+# full run is the benchmark's own default comparison (tiny preset, lognormal response lengths,
+# max_staleness=1 partial_rollouts=true against max_staleness=0, A B A B steps) at a longer
+# median and cap than on the CPU, so decode chunks rather than step overheads fill the step;
+# the smoke run is its `--smoke`.
+ASYNC_FULL = ("--steps", "8", "--warmup", "3", "--median", "64", "--max-new", "512",
+              "--prompts", "8", "--group", "8")
+ASYNC_SMOKE = ("--smoke",)
+
+
+@section("k", "async_vs_sync", budget_s=300, own_process=True, own_call=True)
+def async_vs_sync(run: Run) -> dict:
+  """Trained tokens per second of wall time, engine occupancy and decode steps of the same
+  config run synchronously and asynchronously (`benchmarks/async_throughput.py`); fails when
+  the job fails or prints no result."""
+  args = ASYNC_SMOKE if run.smoke else ASYNC_FULL
+  proc, wall = _run_job(run, "the async throughput job",
+                        [_script("benchmarks", "async_throughput.py"), *args])
+  lines = proc.stdout.strip().splitlines()
+  try:
+    result = json.loads(lines[-1])
+  except (IndexError, json.JSONDecodeError):
+    raise CheckFailed(f"the async throughput job printed no JSON line: {proc.stdout[-1500:]}")
+  return dict(command="python benchmarks/async_throughput.py " + " ".join(args),
+              wall_s=round(wall, 2), result=result,
+              modes=[l for l in lines if l.startswith(("sync:", "async:", "response lengths"))])
 
 
 def _bench_shape(run: Run) -> dict:

@@ -45,7 +45,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   # the sections that run jobs in their own processes first, then the rest in the order
   # they are registered (f last: what the time guard cuts first)
   assert list(sections) == ["g_main_job", "h_preset_step", "j_step_dense_vs_sparse",
-                            "a_kernels_vs_reference",
+                            "k_async_vs_sync", "a_kernels_vs_reference",
                             "b_copy_bandwidth", "c_sparse_bandwidth", "d_dense_baseline",
                             "e_engine_decode", "i_engine_profile", "f_readmission_agreement"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
@@ -132,6 +132,7 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert step["time/compile_s"] < step["time/step_s"]  # the first step compiles, among others
 
   _check_step_section(sections["j_step_dense_vs_sparse"]["results"])
+  _check_async_section(sections["k_async_vs_sync"]["results"])
 
 
 def _check_step_section(res):
@@ -397,3 +398,28 @@ def test_kernel_group_strips_xla_numbering(suite):
   assert suite.kernel_group("while.67") == "while"
   assert suite.kernel_group("sparse_paged_decode") == "sparse_paged_decode"
   assert suite.kernel_group("fusion_3023") == "fusion"
+
+
+def _check_async_section(res):
+  """Section k's smoke: async_throughput.py --smoke, its JSON line and per-mode lines."""
+  assert res["command"] == "python benchmarks/async_throughput.py --smoke"
+  r = res["result"]
+  assert r["smoke"] is True and r["max_staleness"] == 1
+  assert _positive(r["sync_tokens_per_s"]) and _positive(r["async_tokens_per_s"])
+  assert r["ratio"] == r["async_tokens_per_s"] / r["sync_tokens_per_s"]
+  assert 0 < r["sync_occupancy"] <= 1 and 0 < r["async_occupancy"] <= 1
+  assert [l.split(" (")[0].split(":")[0] for l in res["modes"]] == ["sync", "async",
+                                                                  "response lengths"]
+  assert _positive(res["wall_s"])
+
+
+def test_async_section_alone_in_smoke(tmp_path):
+  """`--sections k` (a call of its own on a GPU) runs the async comparison's smoke on CPU."""
+  out = tmp_path / "k.json"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, SCRIPT, "--smoke", "--sections", "k", "--out",
+                         str(out)], env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  sections = json.loads(out.read_text())["sections"]
+  assert list(sections) == ["k_async_vs_sync"] and sections["k_async_vs_sync"]["status"] == "ok"
+  _check_async_section(sections["k_async_vs_sync"]["results"])
