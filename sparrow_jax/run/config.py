@@ -489,13 +489,13 @@ def _check_tools(cfg: TrainConfig) -> None:
                      "its turns as synchronous engine calls)")
 
 
-# Per-model memory knobs on top of _GPU: a smaller KV pool, so the step compiled on CPU for
-# 4 / 8 H200s (`--dry-run --compile`) fits with >= 5% headroom (BENCHMARKS.md, "Qwen3
-# presets compiled", 2026-12-05). Their largest program is the decode chunk, where XLA:CPU
-# also holds a float32 copy of the bf16 rollout weights (converts hoisted out of the decode
-# loop; a GPU multiplies in bf16): 16 GB on 4B, 33 GB on 8B.
-_GPU_MEMORY: dict[str, dict] = {"qwen3_4b": dict(kv_cache_fraction=0.75),
-                                "qwen3_8b": dict(kv_cache_fraction=0.6)}
+# Per-model memory knobs on top of _GPU, where a preset's step compiled for its devices
+# (`--dry-run --compile`) needs them to fit with >= 5% headroom. None today: at _GPU's
+# kv_cache_fraction=0.8 qwen3_4b on 4 H200s, qwen3_8b on 8 and qwen3_14b on 16 keep 12.5%,
+# 11.2% and 8.2% (BENCHMARKS.md, "Qwen3 presets compiled, the compile report without
+# XLA:CPU's float32 weight copy", 2026-12-05). 4B / 8B had 0.75 / 0.6 while the report
+# counted XLA:CPU's hoisted float32 copy of the rollout weights in the decode chunk.
+_GPU_MEMORY: dict[str, dict] = {}
 
 PRESETS: dict[str, TrainConfig] = {
     # The embedded default: random-init tiny Qwen3 + byte tokenizer, a supervised warm start
