@@ -26,7 +26,14 @@ compile after the warm-up, on either side); engine occupancy = busy / (busy + id
 slot-steps of the decode chunks run during the timed steps; decode steps and trained tokens
 per decode step (`decode_step_ratio`: async / sync, the rollout work saved, whatever the
 machine's load). The realised response lengths' p50 / p90 / p99 are printed (trained rows
-of both modes). Both trainers share one XLA compilation cache (in the run's temporary
+of both modes). The learner pads lengths to powers of two (`--length-buckets 1`): with the preset's 8 buckets
+per octave nearly every timed step's batch fell in a new bucket and compiled a new update
+program (47-68 s of compilation over 8 timed steps per mode on 2026-12-05); `time/compile_s`
+subtracts the compilation but not the tracing, which then leaked into the timed wall time.
+Per mode the script prints where the timed steps' wall time goes (phases less their
+compilation, and what compiled where), the engine's prefill calls, decode chunks and
+seconds waiting for the device.
+Both trainers share one XLA compilation cache (in the run's temporary
 directory: the second finds the first's larger programs there) and score in a verifier
 thread. `--smoke` takes ~30 s of CPU time (user), nearly all of it XLA compiling the two
 trainers' programs (the asynchronous update is a program of its own: its loss caps the
@@ -39,6 +46,7 @@ object: {"sync_tokens_per_s", "async_tokens_per_s", "ratio", "sync_occupancy",
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -66,7 +74,8 @@ def config(args, *, staleness: int, out_dir: str, cache_dir: str = ""):
               max_new_tokens=args.max_new, decode_chunk=args.chunk, ignore_eos=True,
               reward_workers=1, tensorboard=False, logger="none", sample_every=0,
               num_steps=args.warmup + args.steps, out_dir=out_dir, seed=args.seed,
-              max_staleness=staleness, partial_rollouts=bool(staleness))
+              max_staleness=staleness, partial_rollouts=bool(staleness),
+              length_buckets_per_octave=args.length_buckets)
   return get_train_config("tiny", [f"{k}={'null' if v is None else v}"
                                    for k, v in keys.items()])
 
@@ -88,7 +97,7 @@ def run_modes(args, modes: dict[str, int]) -> dict[str, dict]:
 def _run(args, modes: dict[str, int]) -> dict[str, dict]:
   from sparrow_jax.run.trainer import Trainer
   res = {k: dict(tokens=0.0, wall_s=0.0, rollout_s=0.0, busy=0, idle=0, decode_steps=0,
-                lengths=[])
+                lengths=[], phases={}, engine={}, compile_s=0.0, compile_by_phase={})
          for k in modes}
   with tempfile.TemporaryDirectory() as out:
     # One compilation cache for both trainers: the second finds the first's programs there
@@ -104,8 +113,10 @@ def _run(args, modes: dict[str, int]) -> dict[str, dict]:
     try:
       for i in range(args.warmup + args.steps):
         for k, tr in trs.items():
+          before = _engine_counts(tr)
+          compiled: dict[str, float] = {}
           t0 = time.perf_counter()
-          rec = tr.run_step()
+          rec = tr.run_step(wrap=functools.partial(_compile_timed, compiled))
           dt = time.perf_counter() - t0
           tr.state.step = rec.step
           if i < args.warmup:
@@ -116,6 +127,16 @@ def _run(args, modes: dict[str, int]) -> dict[str, dict]:
           r["rollout_s"] += rec.times["rollout"]  # the engine's share (compilation included)
           r["lengths"] += [len(c.token_ids) for c in b.completions]
           r["decode_steps"] += int(b.info.engine["decode_steps"])
+          r["compile_s"] += rec.out["time/compile_s"]
+          for name, t in rec.times.items():  # where the wall time goes, phase by phase,
+            # less the compilation inside it
+            r["phases"][name] = r["phases"].get(name, 0.0) + t - compiled.get(name, 0.0)
+          for name, c in compiled.items():
+            if c > 0:
+              r["compile_by_phase"][name] = r["compile_by_phase"].get(name, 0.0) + c
+          after = _engine_counts(tr)
+          for name in _ENGINE_COUNTS:
+            r["engine"][name] = r["engine"].get(name, 0.0) + after[name] - before[name]
           if modes[k]:  # the engine runs inside the producer's turn: its counters per step
             busy, idle = tr.producer.last_slot_steps
           else:
@@ -131,6 +152,34 @@ def _run(args, modes: dict[str, int]) -> dict[str, dict]:
   return res
 
 
+def _compile_timed(out: dict, name: str, fn):
+  """`Trainer.run_step`'s phase wrapper: the compilation seconds inside each phase."""
+  from sparrow_jax.run import compile_clock
+
+  def run(rec):
+    c0 = compile_clock.seconds()
+    try:
+      return fn(rec)
+    finally:
+      out[name] = out.get(name, 0.0) + compile_clock.seconds() - c0
+  return run
+
+
+# Engine counters summed per mode over the timed steps: prefill calls, decode chunks, and the
+# seconds the host waited for the device (the rest of the rollout phase is host work).
+_ENGINE_COUNTS = ("prefills", "decode_chunks", "device_wait_s")
+
+
+def _engine_counts(tr) -> dict[str, float]:
+  """The engine's cumulative counters (the session's, or the engine's own across rollouts)."""
+  ro = tr.rollout
+  if ro.session is not None:
+    c = ro.session.run.counts
+  else:
+    c = tr.engine.stats
+  return {k: float(c.get(k, 0)) for k in _ENGINE_COUNTS}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -142,6 +191,10 @@ def main(argv=None) -> int:
   p.add_argument("--group", type=int, default=8, help="group_size")
   p.add_argument("--chunk", type=int, default=8, help="decode_chunk")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--length-buckets", type=int, default=1,
+                 help="length_buckets_per_octave of the learner's padded lengths (1: powers "
+                      "of two, so the timed steps compile nothing new; the preset's 8 "
+                      "compiles a new update program in most timed steps)")
   p.add_argument("--staleness", type=int, default=1,
                  help="max_staleness of the asynchronous run (the issue's comparison: 1)")
   p.add_argument("--smoke", action="store_true", help="a few short steps (tests)")
@@ -154,6 +207,17 @@ def main(argv=None) -> int:
           f"{r['tokens_per_s']:.1f} tokens/s, {r['decode_steps']} decode steps "
           f"({r['tokens_per_decode_step']:.2f} tokens each), occupancy {r['occupancy']:.3f}, "
           f"rollout {r['rollout_s']:.2f} s of it",
+          flush=True)
+  for name, r in res.items():
+    ph = ", ".join(f"{p} {t:.2f}" for p, t in sorted(r["phases"].items(), key=lambda x: -x[1])
+                   if t >= 0.005)
+    e = r["engine"]
+    cb = ", ".join(f"{p} {t:.2f}" for p, t in sorted(r["compile_by_phase"].items(),
+                                                      key=lambda x: -x[1]))
+    print(f"{name} phases (s over the timed steps, less compilation; compiled: "
+          f"{cb or 'nothing'}): {ph}; "
+          f"engine: {e.get('prefills', 0):.0f} prefills, {e.get('decode_chunks', 0):.0f} "
+          f"decode chunks, {e.get('device_wait_s', 0):.2f} s waiting for the device",
           flush=True)
   lens = np.asarray(res["sync"]["lengths"] + res["async"]["lengths"], np.float64)
   p50, p90, p99 = np.percentile(lens, [50, 90, 99])
@@ -169,7 +233,11 @@ def main(argv=None) -> int:
          # load-free: trained tokens per decode step (the device work of the rollouts)
          "decode_step_ratio": (res["async"]["tokens_per_decode_step"]
                                / res["sync"]["tokens_per_decode_step"]),
-         "max_staleness": args.staleness, "smoke": args.smoke}
+         "max_staleness": args.staleness, "smoke": args.smoke,
+         "length_buckets_per_octave": args.length_buckets, "seed": args.seed,
+         "phases": {k: r["phases"] for k, r in res.items()},
+         "compile_by_phase": {k: r["compile_by_phase"] for k, r in res.items()},
+         "engine": {k: r["engine"] for k, r in res.items()}}
   print(json.dumps(out))
   return 0
 
