@@ -284,3 +284,16 @@ def test_async_trainer_ladder_acts_on_the_total(tmp_path):
   for r in probed:
     assert r["ladder/probe_tail_alpha"] == r["ladder/probe_tail_total"]
     assert r["ladder/index"] == float(r["ladder/probe_tail_total"] >= 0.5)
+
+
+def test_dry_run_says_which_devices_hold_what_with_rollout_devices():
+  import io
+  from sparrow_jax.run.dry_run import dry_run
+  cfg = get_train_config("tiny", ["rollout_devices=4", "max_staleness=1"])
+  out = io.StringIO()
+  assert dry_run(cfg, num_devices=4, out=out) == 0  # (planned for 4 learner devices)
+  text = out.getvalue()
+  assert "rollout_devices=4: the engine runs on 4 device(s) of its own" in text
+  assert "the learner's mesh is the other 4" in text and "held throughout" in text
+  with pytest.raises(ValueError, match="rollout_devices=4: this process has 1 device"):
+    dry_run(cfg, out=io.StringIO())  # this process: one device, nothing left to split
