@@ -281,11 +281,13 @@ class Trainer:
 
   def _publish_update(self, rec: StepRecord) -> None:
     """The updated policy goes to the engine for the next rollout, as a new version. With
-    `rollout_devices` it is copied to the engine's own devices: waited for and timed."""
+    `rollout_devices` it is copied to the engine's own devices: waited for and timed (unless
+    the session drains first, `partial_rollouts=false`: then it loads, timed by the session,
+    once the running sequences finish)."""
     self.state.policy_version += 1
     t0 = time.perf_counter()
     self._publish()
-    if self.cfg.rollout_devices:
+    if self.cfg.rollout_devices and self.engine.version == self.state.policy_version:
       ro = self.rollout
       if ro.session is None and ro.lora is not None:  # (else placed at the next rollout)
         ro.lora = self.engine._replicate(ro.lora)
