@@ -67,3 +67,23 @@ def encode_segments(segments, encode, eos: int | None) -> tuple[list[int], list[
     ids.append(eos)
     mask.append(1.0)
   return ids, mask
+
+
+def tool_system_prompt(registry: ToolRegistry, fmt, *, tool: str = "calculator",
+                       example: str = "12345 * 678", answer_hint: str = "\\boxed{}") -> str:
+  """A system message that describes `tool` and shows one call in `fmt`'s exact format.
+
+  For chat models whose template does not list tools (SmolLM2's ignores `tools=`): the model
+  then sees the call format only if the prompt shows it. The example's call is rendered by
+  `fmt` itself (the text the parser reads) and its result comes from the tool."""
+  if tool not in registry:
+    raise ValueError(f"tool_system_prompt: tool {tool!r} is not registered "
+                     f"(registered: {registry.names})")
+  t = registry[tool]
+  arg = t.main_arg or "input"
+  call = fmt.render_call(ToolCall(tool, {arg: example}))
+  result = registry.call(tool, {arg: example}).text
+  return (f"You can use a tool named {tool}: {t.description}\n"
+          f"To use it, reply with only this, then stop:\n{call}\n"
+          f"The result comes back to you, e.g. for that call: {result}\n"
+          f"Then write the final answer in {answer_hint}.")

@@ -139,6 +139,36 @@ def arithmetic_config(cfg: TrainConfig) -> data_lib.ArithmeticConfig:
 
 
 def build_examples(cfg: TrainConfig) -> list[data_lib.PromptExample]:
+  """The prompts of `data` (with `system_prompt`'s system message before each)."""
+  examples = _load_examples(cfg)
+  text = system_prompt_text(cfg)
+  if not text:
+    return examples
+  out = []
+  for e in examples:
+    msgs = ([{"role": "user", "content": e.prompt}] if isinstance(e.prompt, str)
+            else [dict(m) for m in e.prompt])
+    if not (msgs and msgs[0].get("role") == "system"):  # (a prompt's own system turn wins)
+      msgs.insert(0, {"role": "system", "content": text})
+    out.append(dataclasses.replace(e, prompt=tuple(msgs)))
+  return out
+
+
+def system_prompt_text(cfg: TrainConfig) -> str:
+  """The system message of `system_prompt` ("tools": the tools' description and one call in
+  `tool_format`, `agents/tasks.py`)."""
+  if cfg.system_prompt != "tools":
+    return cfg.system_prompt
+  from sparrow_jax.agents import build_registry, make_format
+  from sparrow_jax.agents.tasks import tool_system_prompt
+  reg = build_registry(cfg.tools)
+  fmt = make_format(cfg.tool_format, reg, pad_to=cfg.max_tool_response_tokens)
+  name = "calculator" if "calculator" in reg else reg.names[0]
+  example = "12345 * 678" if name == "calculator" else "print(12345 * 678)"
+  return tool_system_prompt(reg, fmt, tool=name, example=example)
+
+
+def _load_examples(cfg: TrainConfig) -> list[data_lib.PromptExample]:
   if cfg.data.startswith("synthetic:"):
     task = cfg.data.split(":", 1)[1]
     if task != "arithmetic":

@@ -207,6 +207,9 @@ class TrainConfig:
   max_tool_response_tokens: int = 256  # each tool response cut to this many tokens
   tool_timeout_s: float = 5.0  # the Python tool's wall-clock limit per call
   tool_demo_frac: float = 0.5  # warm-start demonstrations that call the tool (synthetic task)
+  # a system message before every prompt: "" none, "tools" the tools' description and call
+  # format (agents/tasks.py tool_system_prompt; for templates that ignore tools=), else this text
+  system_prompt: str = ""
   # mismatch monitor and schedule ladder
   monitor_topk: int = 20
   mismatch_bin_size: int = 2048
@@ -466,6 +469,9 @@ _GPU = dict(dtype="bfloat16", param_dtype="float32", data="", max_prompt_len=204
 
 def _check_tools(cfg: TrainConfig) -> None:
   """The multi-turn keys (issue 49)."""
+  if cfg.system_prompt == "tools" and not cfg.tools:
+    raise ValueError("system_prompt=tools describes the tools: set tools= too (e.g. "
+                     "tools=calculator)")
   if not cfg.tools:
     return
   names = [n.strip() for n in cfg.tools.split(",") if n.strip()]

@@ -238,6 +238,11 @@ KEY_DOCS: dict[str, str] = {
                       "process group is killed and the model gets a timeout error.",
     "tool_demo_frac": "Share of the warm start's synthetic demonstrations that call the tool "
                       "(the others answer directly).",
+    "system_prompt": "A system message put before every prompt (chat templates render it; the "
+                     "byte tokenizer joins it with a newline): \"\" none, \"tools\" the tools' "
+                     "description and one call in tool_format's exact format "
+                     "(agents/tasks.py tool_system_prompt: for chat templates that ignore "
+                     "tools=, e.g. SmolLM2's), any other text as is.",
     # monitor / ladder
     "monitor_topk": "Top-k log-probs the sampler keeps for the acceptance-rate monitor (the "
                     "release keeps 20).",

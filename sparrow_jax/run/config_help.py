@@ -75,7 +75,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "arrol_lambda", "arrol_p_min", "arrol_p_max", "arrol_bins",
                "arrol_warmup_steps", "arrol_head_lr", "arrol_steer")),
     ("multi-turn tool use", ("tools", "tool_format", "max_turns", "max_tool_response_tokens",
-                             "tool_timeout_s", "tool_demo_frac")),
+                             "tool_timeout_s", "tool_demo_frac", "system_prompt")),
     ("monitor / ladder", ("monitor_topk", "mismatch_bin_size", "tau", "ladder",
                           "ladder_patience", "probe_every", "probe_min_count",
                           "exact_alpha_every", "exact_alpha_rows")),
