@@ -147,7 +147,7 @@ def _run(engine, reqs, lora, agent):
   """Completions of `reqs`: one generation each, or the agent loop's trajectories."""
   if agent is None:
     return engine.generate(reqs, lora=lora)
-  return agent.run(reqs, lambda rs: engine.generate(rs, lora=lora))
+  return agent.run(reqs, engine=engine, lora=lora)  # one session: pause, append, go on
 
 
 def _show(tok, out, record=None) -> str:

@@ -35,6 +35,8 @@ any running one: a paused sequence waits for its environment, a running one woul
 work. A preempted paused sequence is *parked*: it leaves its slot and pages but not the queue's
 back door; it waits outside the queue until its environment tokens arrive (`unpark`), then is
 queued at the front and readmitted like any preempted sequence (prompt + history prefilled).
+Admission parks paused sequences only where nothing else runs on the shard and the head of
+the queue does not fit (otherwise the queue would wait for a resume that may never come).
 """
 
 from __future__ import annotations
@@ -247,6 +249,17 @@ class Scheduler:
       need = self.pages_needed(seq, length + self.chunk)
       alloc = self.allocators[d]
       reserve = self.watermark_pages if busy[d] else 0
+      if need > alloc.num_free and not any(
+          s is not None and not s.paused for s in self.slots[d]):
+        # Only paused sequences hold this shard's pages: nothing here runs that could free
+        # them, so they are parked (newest first) rather than the queue waiting forever.
+        for victim in sorted((s for s in self.slots[d] if s is not None),
+                             key=lambda s: -s.admitted_at):
+          if need <= alloc.num_free:
+            break
+          self.preempt(victim)
+        self.preempted_shards.discard(d)
+        reserve = 0
       if need > alloc.num_free - reserve:
         # Another shard may have room; the queue head is tried there next (same order).
         continue
@@ -275,15 +288,15 @@ class Scheduler:
     for seq in self.running():
       if seq.slot < 0:  # preempted earlier in this loop
         continue
-      # A decode chunk writes the sampled token and chunk - 1 more: context_len - 1 + chunk
-      # tokens. A resumed sequence first writes its appended tokens and samples one more.
-      upto = seq.context_len - 1 + self.chunk + (seq.unwritten > 1)
-      need = self.pages_needed(seq, upto) - len(seq.pages)
+      # A decode chunk writes `chunk` tokens after `length`; a resumed sequence first writes
+      # its unwritten ones (the token it paused on and the appended ones).
+      ahead = seq.unwritten if seq.unwritten > 1 else 0
+      need = self.pages_needed(seq, seq.length + ahead + self.chunk) - len(seq.pages)
       alloc = self.allocators[seq.shard]
       while need > alloc.num_free:
-        # paused ones first (key False < True), newest admission first within each kind
+        # paused ones first, newest admission first within each kind
         victim = max((s for s in self.slots[seq.shard] if s is not None),
-                     key=lambda s: (not s.paused, s.admitted_at))
+                     key=lambda s: (s.paused, s.admitted_at))
         self.preempt(victim)
         if victim is seq:
           break

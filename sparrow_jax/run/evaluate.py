@@ -17,7 +17,7 @@ from sparrow_jax.rl.eval_metrics import eval_summary, trace_confidence, weighted
 from sparrow_jax.engine.engine import Request
 from sparrow_jax.engine.sampling import SamplingParams
 from sparrow_jax.run.builders import encode_prompt
-from sparrow_jax.run.producer import make_agent_loop
+from sparrow_jax.run.producer import make_agent_loop, run_agent
 
 MODES = ("dense", "sparse", "sparse_lora")
 
@@ -83,7 +83,7 @@ def evaluate(trainer, examples: Sequence[data_lib.PromptExample], *, k: int, mod
   try:
     # (a trainer over several processes splits the prompts between them and gathers)
     if agent is not None:
-      comps = agent.run(reqs, lambda rs: trainer.rollout.generate(rs, lora=lora, prune=None))
+      comps = run_agent(agent, trainer.rollout, reqs, lora)
     else:
       comps = trainer.rollout.generate(reqs, lora=lora, prune=hook)
   finally:

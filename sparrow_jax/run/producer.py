@@ -23,7 +23,7 @@ import numpy as np
 from sparrow_jax.agents import AgentLoop, agent_metrics, build_registry, final_answer_ids
 from sparrow_jax.agents import make_format
 from sparrow_jax.engine.config import Completion
-from sparrow_jax.engine.engine import Request
+from sparrow_jax.engine.engine import GenerationEngine, Request
 from sparrow_jax.engine.sampling import SamplingParams, request_seed
 from sparrow_jax.engine.session import EngineSession
 from sparrow_jax.rl import arrol as arrol_lib
@@ -37,7 +37,8 @@ from sparrow_jax.run.builders import encode_prompt
 # Engine stats of each rollout the step logs (see `engine.GenerationEngine`).
 ENGINE_METRICS = ("preemptions", "recomputed_tokens", "pool_high_water_frac",
                   "wasted_decode_steps", "idle_slot_steps", "decode_steps",
-                  "wasted_prefill_tokens", "prefill_padding_frac")
+                  "wasted_prefill_tokens", "prefill_padding_frac", "prefill_tokens",
+                  "append_tokens")
 
 
 class RolloutEngine(Protocol):
@@ -203,16 +204,8 @@ class Producer:
       self.prune_hook = arrol_lib.ArrolHook(self.arrol, self.arrol_stop_ids,
                                             seed=self.cfg.seed, step=step)
     reqs = self.requests(examples, step, round_)
-    if self.agent is not None:  # turns of every trajectory, the engine's counters summed
-      total = {k: 0 for k in ENGINE_METRICS}
-
-      def generate(turn_reqs):
-        out = self.rollout_engine.generate(turn_reqs, lora=lora, prune=None)
-        _add_engine_stats(total, self.rollout_engine.stats)
-        return out
-      comps = self.agent.run(reqs, generate)
-      self.rollout_engine.stats = total
-      return comps
+    if self.agent is not None:
+      return run_agent(self.agent, self.rollout_engine, reqs, lora)
     return self.rollout_engine.generate(reqs, lora=lora, prune=self.prune_hook)
 
   def generate_groups(self, step: int, *, lora=None
@@ -285,6 +278,29 @@ class Producer:
 
   def load_state_dict(self, state: dict | None) -> None:
     pass
+
+
+def run_agent(agent: AgentLoop, rollout_engine, reqs, lora=...) -> list[Completion]:
+  """The agent loop's trajectories of `reqs` on `rollout_engine`, whose `stats` then hold
+  the engine's counters of all their turns. On one process with a `GenerationEngine`: one
+  rollout session in which sequences pause at tool calls and the environment's tokens are
+  appended to their KV (`agents/loop.py`); otherwise (several processes, another engine)
+  rounds of `generate` calls that prefill each trajectory's context again."""
+  engine = getattr(rollout_engine, "engine", None)
+  if isinstance(engine, GenerationEngine) and not distributed.is_multi():
+    lora = getattr(rollout_engine, "lora", None) if lora is ... else lora
+    comps = agent.run(reqs, engine=engine, lora=lora)
+    rollout_engine.stats = dict(engine.last_stats)
+    return comps
+  total = {k: 0 for k in ENGINE_METRICS}
+
+  def generate(turn_reqs):
+    out = rollout_engine.generate(turn_reqs, lora=lora, prune=None)
+    _add_engine_stats(total, rollout_engine.stats)
+    return out
+  comps = agent.run(reqs, generate)
+  rollout_engine.stats = total
+  return comps
 
 
 def make_agent_loop(cfg, tokenizer) -> AgentLoop | None:
