@@ -12,8 +12,9 @@ play the same part.
 Two ways to run the turns, with the same trajectories token for token:
 
   `run(requests, engine=engine)` (the default of training, eval and generate): one rollout
-    session (`engine/session.py`). Every request carries the format's stop ids as
-    `pause_token_ids`: at a tool-call boundary the sequence *pauses* holding its KV pages,
+    session (`engine/session.py`). Every request carries the ids that end a turn (the
+    format's stop ids, its own stop ids, EOS) as `pause_token_ids`: at a turn's end the
+    sequence *pauses* holding its KV pages (`finish` ends it when the turn was the last),
     the loop runs the turn's tools as soon as the step it paused in returns, and
     `session.resume` appends the tool responses; the engine writes only those tokens into the
     sequence's own pages at their true positions (teacher-forced decode steps, block-sparse
