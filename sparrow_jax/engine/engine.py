@@ -11,6 +11,8 @@ of KV pages; requests wait in one queue and go to whichever shard has a free slo
    pool free, and prefills them: fresh prompts in one padded batch per shard, sequences
    readmitted after preemption (prompt + generated tokens) in another, so a long readmission
    does not pad the fresh prompts to its length;
+   Sequences of a rollout session resumed after a pause (`session.py`) then get the tokens
+   appended to them written into their own pages (`_append`: teacher-forced decode steps);
 3. runs up to `decode_chunk` decode steps for all slots in one jitted `lax.while_loop`
    (under `shard_map`: every device decodes its own slots against its own pool). A sequence
    that samples a stop id or reaches its length limit stops writing at once, and the loop
