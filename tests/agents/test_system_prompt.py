@@ -58,3 +58,50 @@ def test_system_prompt_reaches_the_chat_template_and_the_byte_prompt():
 def test_system_prompt_tools_needs_tools():
   with pytest.raises(ValueError, match="system_prompt=tools describes the tools"):
     get_train_config("tiny", ["system_prompt=tools"])
+
+
+def test_probe_classifies_calls_by_the_policy_turns_only():
+  """experiments/smollm2_tools_probe.py: a call counts when the policy wrote it (loss mask 1)
+  and is right when the calculator's result equals the answer; text in the environment's
+  tokens (here a call-shaped string) is not the policy's call."""
+  import numpy as np
+  from experiments.smollm2_tools_probe import build_messages, classify, summarize
+  from sparrow_jax.engine.config import Completion
+  from sparrow_jax.rl.data import PromptExample
+
+  tok = ByteTokenizer()
+  fmt = make_format("qwen3", REG)
+  dec = lambda ids: tok.decode([int(i) for i in ids])  # noqa: E731
+
+  def comp(pieces):  # (text, policy?) pieces
+    ids, mask = [], []
+    for text, pol in pieces:
+      t = tok.encode(text, add_bos=False)
+      ids += t
+      mask += [float(pol)] * len(t)
+    return Completion(0, np.zeros(1, np.int32), np.asarray(ids, np.int32),
+                      np.zeros(len(ids), np.float32), "stop",
+                      loss_mask=np.asarray(mask, np.float32))
+
+  good = fmt.render_call(ToolCall("calculator", {"expression": "1234*5678"}))
+  wrong = fmt.render_call(ToolCall("calculator", {"expression": "1234+5678"}))
+  bad_args = fmt.render_call(ToolCall("calculator", {"operation": "add"}))
+  cases = [([(good, 1), ("<tool_response>7006652</tool_response>", 0), ("7006652", 1)],
+            dict(tag=True, parsed=True, right=True)),
+           ([(wrong, 1)], dict(tag=True, parsed=True, right=False)),
+           ([(bad_args, 1)], dict(tag=True, parsed=True, right=False)),
+           ([("<tool_call>{not json</tool_call>", 1)], dict(tag=True, parsed=False, right=False)),
+           ([("7006652", 1), (good, 0)], dict(tag=False, parsed=False, right=False))]
+  for pieces, want in cases:
+    assert classify(comp(pieces), "7006652", fmt, REG, dec) == want, pieces
+  rows = [dict(tag=True, parsed=True, right=True, calls=1, errors=0, reward=1.0),
+          dict(tag=False, parsed=False, right=False, calls=0, errors=0, reward=0.0)]
+  s = summarize(rows)
+  assert (s["frac_right_call"], s["reward_with_call"], s["reward_without_call"]) == (0.5, 1.0, 0.0)
+  ex = PromptExample(prompt="Compute 1+2.", answer="3")
+  assert build_messages(ex, "template", "S") == [{"role": "user", "content": "Compute 1+2."}]
+  assert build_messages(ex, "hint", "S") == [
+      {"role": "system", "content": "S"},
+      {"role": "user", "content": "Compute 1+2. Use the calculator tool."}]
+  with pytest.raises(ValueError, match="condition 'x'"):
+    build_messages(ex, "x", "S")
