@@ -81,6 +81,14 @@ import numpy as np
 _ON_RUNNING = ("keep", "recompute", "drain")
 
 
+def _own_arrays(c) -> None:
+  """A completion leaving the session gets copies (`np.array`) of its per-token arrays."""
+  for f in ("token_ids", "logprobs", "topk_ids", "topk_logprobs", "versions"):
+    v = getattr(c, f)
+    if v is not None:
+      setattr(c, f, np.array(v))
+
+
 class EngineSession:
   """A long-lived rollout over `engine` (see the module docstring)."""
 
@@ -216,10 +224,7 @@ class EngineSession:
     out = []
     for i in sorted(paused):
       c = paused.pop(i)
-      for f in ("token_ids", "logprobs", "topk_ids", "topk_logprobs", "versions"):
-        v = getattr(c, f)
-        if v is not None:
-          setattr(c, f, np.array(v))
+      _own_arrays(c)
       out.append(c)
     return out
 
@@ -291,10 +296,7 @@ class EngineSession:
     out = []
     for i in sorted(done):
       c = done.pop(i)
-      for f in ("token_ids", "logprobs", "topk_ids", "topk_logprobs", "versions"):
-        v = getattr(c, f)
-        if v is not None:
-          setattr(c, f, np.array(v))
+      _own_arrays(c)
       self.collected_tokens += len(c.token_ids)
       self.collected += 1
       self.run.seqs[i] = None
