@@ -45,12 +45,17 @@ class EveryTurnCalls:
     return "".join(f"[{r}]" for r in responses)
 
 
-@pytest.fixture(scope="module")
-def model():
+def sharp_model():
+  """The 3-layer sharp tiny model without EOS (a trajectory ends only where the test says)."""
   cfg, _, state = sharp_tiny(num_layers=3)
   m = init_model(cfg.replace(eos_token_ids=()))
   nnx.update(m, state)
   return m
+
+
+@pytest.fixture(scope="module")
+def model():
+  return sharp_model()
 
 
 def _requests():

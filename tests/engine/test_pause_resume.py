@@ -6,7 +6,6 @@ raise errors that say what was wrong."""
 
 import numpy as np
 import pytest
-from flax import nnx
 
 from sparrow_jax.engine.engine import EngineConfig, GenerationEngine, Request
 from sparrow_jax.engine.sampling import SamplingParams
@@ -15,8 +14,7 @@ from sparrow_jax.engine.session import EngineSession
 from sparrow_jax.models.attention import BlockSparse
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import init_model
-from tests.agents.test_engine_parity import _check_parity
-from tests.rl.sparse_setup import sharp_tiny
+from tests.agents.test_engine_parity import _check_parity, sharp_model
 
 PAGE = 4
 SPARSE = BlockSparse(max_budget=1, page_size=PAGE, dense_layers=(0,))
@@ -25,10 +23,7 @@ ENV = (7, 8, 9, 10, 11, 12)  # the environment's tokens appended at the pause
 
 @pytest.fixture(scope="module")
 def model():
-  cfg, _, state = sharp_tiny(num_layers=3)
-  m = init_model(cfg.replace(eos_token_ids=()))
-  nnx.update(m, state)
-  return m
+  return sharp_model()
 
 
 def _engine(model, attention=None, **kw):
