@@ -280,7 +280,7 @@ class Producer:
     pass
 
 
-def run_agent(agent: AgentLoop, rollout_engine, reqs, lora=...) -> list[Completion]:
+def run_agent(agent: AgentLoop, rollout_engine, reqs, lora) -> list[Completion]:
   """The agent loop's trajectories of `reqs` on `rollout_engine`, whose `stats` then hold
   the engine's counters of all their turns. On one process with a `GenerationEngine`: one
   rollout session in which sequences pause at tool calls and the environment's tokens are
@@ -288,7 +288,6 @@ def run_agent(agent: AgentLoop, rollout_engine, reqs, lora=...) -> list[Completi
   rounds of `generate` calls that prefill each trajectory's context again."""
   engine = getattr(rollout_engine, "engine", None)
   if isinstance(engine, GenerationEngine) and not distributed.is_multi():
-    lora = getattr(rollout_engine, "lora", None) if lora is ... else lora
     comps = agent.run(reqs, engine=engine, lora=lora)
     rollout_engine.stats = dict(engine.last_stats)
     return comps
