@@ -17,8 +17,8 @@ Two ways to run the turns, with the same trajectories token for token:
     sequence *pauses* holding its KV pages (`finish` ends it when the turn was the last),
     the loop runs the turn's tools as soon as the step it paused in returns, and
     `session.resume` appends the tool responses; the engine writes only those tokens into the
-    sequence's own pages at their true positions (teacher-forced decode steps, block-sparse
-    as decode attends) and it decodes on. The history is never prefilled again: the
+    sequence's own pages at their true positions (one chunked prefill at the sequence's end,
+    every query attending as decode would there) and it decodes on. The history is never prefilled again: the
     engine's `prefill_tokens` are the prompts (plus readmissions after a preemption) and its
     `append_tokens` the environment's tokens (plus the token each pause stopped on).
   `run(requests, generate)` (the reference): rounds; each sends every live trajectory to

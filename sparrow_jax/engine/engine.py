@@ -12,7 +12,8 @@ of KV pages; requests wait in one queue and go to whichever shard has a free slo
    readmitted after preemption (prompt + generated tokens) in another, so a long readmission
    does not pad the fresh prompts to its length;
    Sequences of a rollout session resumed after a pause (`session.py`) then get the tokens
-   appended to them written into their own pages (`_append`: teacher-forced decode steps);
+   appended to them written into their own pages (`_append`: a chunked prefill at their ends,
+   `Decoder.extend`);
 3. runs up to `decode_chunk` decode steps for all slots in one jitted `lax.while_loop`
    (under `shard_map`: every device decodes its own slots against its own pool). A sequence
    that samples a stop id or reaches its length limit stops writing at once, and the loop
@@ -92,6 +93,7 @@ _COUNTS = ("prefills", "prefill_tokens", "decode_chunks", "decode_steps", "idle_
 
 
 _APPEND_CHUNK = 64  # context tokens one append call writes per sequence (`_append`)
+_APPEND_MIN = 16  # the smallest chunk width an append call is compiled for
 
 
 def _next_pow2(n: int) -> int:
@@ -636,33 +638,40 @@ class GenerationEngine(DeviceSteps):
     """Write the unwritten context tokens of resumed sequences (the token they paused on and
     the environment's tokens after it) into their own pages at their true positions, then
     sample each one's next token, as `_prefill` does for an admission. The history is not
-    recomputed: the tokens go through the decode step one position per step, teacher-forced,
-    every sequence of the batch at once and up to `_APPEND_CHUNK` tokens per call, so each
-    query attends exactly as decode attends (its budget by its position, landmarks written as
-    pages fill, the reserved bos/recent pages at its true end) and the next token is sampled
-    from (seed, position) like any other."""
-    cfg, d, b = self.config, self.num_shards, self.config.num_slots
+    recomputed: each call is a chunked prefill at the sequences' ends (`Decoder.extend`, up
+    to `_APPEND_CHUNK` tokens per sequence, the resumed sequences only, as rows like a
+    prefill's), in which every query attends exactly as decode would at its position (its
+    budget by its position, landmarks written as pages fill, the reserved bos/recent pages
+    at its true end); the next token is sampled from (seed, position) like any other."""
+    cfg, d = self.config, self.num_shards
     counts = run.counts
     while seqs:
-      inputs = np.zeros((_APPEND_CHUNK, d * b), np.int32)
-      n_in = np.zeros((d * b,), np.int32)
-      row_seq = np.full((d * b,), -1, np.int64)
+      by_shard = [[s for s in seqs if s.shard == k] for k in range(d)]
+      n = _next_pow2(max(len(g) for g in by_shard))
+      longest = max(min(s.unwritten, _APPEND_CHUNK) for s in seqs)
+      f = min(_APPEND_CHUNK, max(_APPEND_MIN, _next_pow2(longest)))
+      inputs = np.zeros((d * n, f), np.int32)
+      n_in = np.zeros((d * n,), np.int32)
+      slot_ids = np.full((d * n,), cfg.num_slots, np.int32)  # out of range: dropped
+      row_seq = np.full((d * n,), -1, np.int64)
       fed = {}
-      for s in seqs:
-        if len(s.pages) * cfg.page_size <= s.context_len:  # (a write past them: the null page)
-          raise AssertionError(f"request {s.req.request_id!r}: {len(s.pages)} pages do not "
-                               f"hold its {s.context_len} context tokens and the next one")
-        r = s.shard * b + s.slot
-        todo = s.context[s.length:s.context_len][:_APPEND_CHUNK]
-        inputs[:len(todo), r], n_in[r], row_seq[r] = todo, len(todo), s.index
-        fed[s.index] = (r, len(todo))
+      for k, group in enumerate(by_shard):
+        for j, s in enumerate(group):
+          if len(s.pages) * cfg.page_size <= s.context_len:  # (a write past them: null page)
+            raise AssertionError(f"request {s.req.request_id!r}: {len(s.pages)} pages do not "
+                                 f"hold its {s.context_len} context tokens and the next one")
+          r = k * n + j
+          todo = s.context[s.length:s.context_len][:f]
+          inputs[r, :len(todo)], n_in[r], slot_ids[r], row_seq[r] = todo, len(todo), s.slot, \
+              s.index
+          fed[s.index] = (r, len(todo))
       width = self._page_bucket(max(len(s.pages) for s in seqs))
       cache = self._pool().replace(page_table=jnp.asarray(run.sched.page_table(width)))
       _, *params = run.table.rows(row_seq)
       fn = self._get_append(run.table.max_top_k)
       packed = () if self._packed is None else (self._packed,)
       self._kv, tok, lp, (tk_ids, tk_lps) = fn(
-          self.state, cache, jnp.asarray(inputs), self._rows(n_in),
+          self.state, cache, self._rows(inputs), self._rows(n_in), self._rows(slot_ids),
           *(self._rows(x) for x in params), run.budgets, run.lora, *packed)
       tok, lp, tk_ids, tk_lps = self._device_get(run, (tok, lp, tk_ids, tk_lps))
       counts["appends"] += 1

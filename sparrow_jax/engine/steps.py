@@ -132,44 +132,32 @@ class DeviceSteps:
                                                                                 init)
     return cache, outs, steps[None], rec, (tok, active, remaining, count)
 
-  def _append_local(self, max_top_k, state, cache, inputs, n_in, seeds, temps, top_ps, top_ks,
-                    table, lora, packed=None):
-    """Teacher-forced decode steps over appended tokens: slot b writes `inputs[:n_in[b], b]`
-    at its positions `cache.lengths[b]...` exactly as decode writes a token (same step, same
-    budgets, landmarks as pages fill), then samples its next token from the logits of its
-    last input at its new length, as decode does. Slots with `n_in` 0 are untouched."""
+  def _append_local(self, max_top_k, state, cache, inputs, n_in, slots, seeds, temps, top_ps,
+                    top_ks, table, lora, packed=None):
+    """Append rows `[n, F]`: row r writes `inputs[r, :n_in[r]]` into slot `slots[r]`'s own
+    pages at its positions `cache.lengths[slot]...` in one forward (`Decoder.extend`: each
+    query attends exactly as the decode step at its position would, its budget by its
+    position, landmarks as pages fill), then samples its next token from the logits of its
+    last input at its new length, as decode does. Padding rows (out-of-range slot) write
+    nothing."""
     model = nnx.merge(self.graphdef, state)
-    f, b = inputs.shape
+    n, f = inputs.shape
     mc = self.model_config
-    pos = cache.lengths[None, :] + jnp.arange(f, dtype=jnp.int32)[:, None]  # [F, B]
-    cos_t, sin_t = rope_tables(pos, mc.head_dim, mc.rope_theta)  # as `_decode_local`
-    last0 = jnp.zeros((b, mc.vocab_size), jnp.float32)
-
-    def cond(carry):
-      return carry[0] < jnp.max(n_in)
-
-    def body(carry):
-      step, cache, last = carry
-      active = step < n_in
-      budgets = None
-      if self.schedule is not None:
-        budgets = budget_pages(self.schedule, cache.lengths + 1, table)
-      rope = (jax.lax.dynamic_index_in_dim(cos_t, step, 0, keepdims=False),
-              jax.lax.dynamic_index_in_dim(sin_t, step, 0, keepdims=False))
-      tok = jax.lax.dynamic_index_in_dim(inputs, step, 0, keepdims=False)
-      cache, logits = model.decode(cache, tok, active, attention=self.attention,
-                                   budgets=budgets, lora=lora, rope=rope, packed=packed)
-      last = jnp.where(active[:, None], logits.astype(jnp.float32), last)
-      return step + 1, cache, last
-
-    _, cache, last = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, last0))
-    tok, lp = sample_tokens(last, seeds, cache.lengths, temps, top_ps, top_ks,
+    safe = jnp.clip(slots, 0, self.config.num_slots - 1)
+    pos = cache.lengths[safe][:, None] + jnp.arange(f, dtype=jnp.int32)[None, :]  # [n, F]
+    rope = rope_tables(pos, mc.head_dim, mc.rope_theta)  # once, outside the layers
+    budgets = None
+    if self.schedule is not None:
+      budgets = budget_pages(self.schedule, pos + 1, table)
+    cache, last = model.extend(cache, inputs, n_in, slots, attention=self.attention,
+                               budgets=budgets, lora=lora, rope=rope, packed=packed)
+    tok, lp = sample_tokens(last, seeds, pos[:, 0] + n_in, temps, top_ps, top_ks,
                             max_top_k=max_top_k)
     return cache, tok, lp, self._topk(last, temps)
 
   def _get_append(self, max_top_k: int = 0):
-    """The append program: args (state, cache, inputs [F, rows], n_in, seeds, temps, top_ps,
-    top_ks, table, lora[, packed])."""
+    """The append program: args (state, cache, inputs [rows, F], n_in, slots, seeds, temps,
+    top_ps, top_ks, table, lora[, packed])."""
     with_packed = self._packed is not None
     key = ("append", self.attention, None if self.schedule is None
            else (self.schedule.bin_size, self.schedule.num_bins), max_top_k, with_packed)
@@ -177,8 +165,8 @@ class DeviceSteps:
       def fn(state, cache, *args):
         self.num_compilations += 1
         rows = P(AXIS)
-        in_specs = (P(), self._cache_specs(), P(None, AXIS), rows, rows, rows, rows, rows,
-                    P(), P())
+        in_specs = (P(), self._cache_specs(), rows, rows, rows, rows, rows, rows, rows, P(),
+                    P())
         if with_packed:
           in_specs += (P(),)
 

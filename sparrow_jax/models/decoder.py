@@ -455,6 +455,80 @@ class Decoder(nnx.Module):
       return cache, logits, xn
     return cache, logits
 
+  # --- paged cache: extend (a chunk of tokens at the sequences' ends) --------------------
+  def extend(self, cache: PagedKVCache, tokens, n_in, slots, *,
+             attention: attn_lib.AttentionSpec | None = None, budgets=None, lora=None,
+             rope=None, packed=None):
+    """Append up to F tokens per sequence in one forward (a chunked prefill at an offset):
+    row r writes `tokens[r, :n_in[r]]` into slot `slots[r]`'s own pages at positions
+    `cache.lengths[slot] ...` and attends to everything the slot holds before them plus the
+    chunk's earlier tokens. The history is not recomputed: it is read from the pages.
+
+    Every query attends exactly as the decode step at its position would (`decode` fed the
+    same tokens one at a time): the chunk's keys and values (and the landmarks of the pages
+    it completes) are written first, then each query runs the decode attention of one token
+    with the cache holding `position + 1` tokens. Keys past a query's position are outside
+    its length, a page completed later in the chunk is outside its pages, and the partial
+    page, whose landmark is not final, is always a reserved page, never scored; so a
+    block-sparse query selects the pages decode would. The projections and the MLP run on
+    all `n x F` tokens as one batch; the attention reads each query's pages (the decode
+    kernels, one query per row), F x the reads of one decode step.
+
+    Args:
+      cache: the paged cache (all slots), with `page_table` holding the rows' pages for
+        every position they write (the engine grants them before the call).
+      tokens: int32 `[n, F]`; entries at or past `n_in` are ignored.
+      n_in: int32 `[n]` tokens of each row (0: the row writes nothing).
+      slots: int32 `[n]` the slot of each row; an out-of-range slot (padding row) writes
+        nothing.
+      attention: `Dense()` (default) or `BlockSparse(...)`.
+      budgets: int32 `[n, F]` page budget of each query (`budget_pages` at position + 1;
+        BlockSparse only).
+      rope: optional (cos, sin) `[n, F, Dh]` of the rows' positions.
+      packed: as `decode`.
+    Returns:
+      (cache with the rows' lengths advanced by `n_in`, float32 logits `[n, V]` of each
+      row's last token (row of `n_in` 0: meaningless)).
+    """
+    attention = attention if attention is not None else attn_lib.Dense()
+    n, f = tokens.shape
+    b = cache.lengths.shape[0]
+    valid = (slots >= 0) & (slots < b)
+    n_in = jnp.where(valid, n_in, 0)
+    safe = jnp.where(valid, slots, 0)
+    start = cache.lengths[safe]  # [n]
+    positions = start[:, None] + jnp.arange(f, dtype=jnp.int32)[None, :]  # [n, F]
+    active = jnp.arange(f, dtype=jnp.int32)[None, :] < n_in[:, None]  # [n, F]
+    if rope is None:
+      rope = rope_tables(positions, self.cfg.head_dim, self.cfg.rope_theta)
+    rope = tuple(r.reshape(n * f, -1) for r in rope)
+    # One row per query: the slot's page row, its position as the cache length.
+    table, lengths = cache.page_table, cache.lengths
+    q_table = jnp.repeat(table[safe], f, axis=0)  # [n*F, M]
+    q_pos = positions.reshape(n * f)
+    q_active = active.reshape(n * f)
+    q_len = jnp.where(q_active, q_pos + 1, 0)  # 0 = an empty row (output 0)
+    q_budgets = None if budgets is None else budgets.reshape(n * f)
+    view = cache.replace(page_table=q_table, lengths=q_pos)
+    x = self.embed(tokens.reshape(n * f))  # [n*F, D]
+    cpu_write = dispatch.parse_backend(attention.backend) is dispatch.Backend.CPU
+    for i, layer in enumerate(self.layers):
+      ll = self._layer_lora(lora, i)
+      pl = None if packed is None else packed["layers"][i]
+      h = layer.input_norm(x)
+      q, k, v = layer.attn.qkv(h, q_pos, ll, rope=rope, packed=pl)
+      view = view.write_token(i, k, v, q_active, cpu_kernel=cpu_write)
+      o = attn_lib.decode_attention(attention, i, q, view, q_len, budgets=q_budgets)
+      x = x + layer.attn.out(o, ll, packed=pl)
+      x = x + layer.mlp(layer.post_attn_norm(x), ll, packed=pl)
+    last = jnp.take_along_axis(x.reshape(n, f, -1),
+                               jnp.maximum(n_in - 1, 0)[:, None, None], axis=1)[:, 0]
+    cache = view.replace(page_table=table,
+                         lengths=lengths.at[jnp.where(valid, slots, b)].add(n_in, mode="drop"))
+    xn = self.final_norm(last)
+    logits = self.lm_head(xn, packed=None if packed is None else packed["lm_head"])
+    return cache, logits
+
 
 def _packed(x, w_packed, n: int, dt):
   return cpu_kernels.packed_matmul(x, w_packed, n).astype(dt)

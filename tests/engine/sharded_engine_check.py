@@ -7,7 +7,10 @@ on the last line.
    mesh spans 8 devices: tokens identical, log-probs equal to 1e-5, for dense and block-sparse
    attention (greedy dense, temperature-1 sparse: the rollouts training samples); the pool is
    really split (one block per device).
-2. Trainer: 2 steps of the tiny run with mesh=data=2,fsdp=4 (rollouts on all 8 devices,
+2. Agent loop: multi-turn trajectories whose tool responses are appended into the sequences'
+   own pages (`Decoder.extend`) on a 1-device engine and on one sharded over 8 devices
+   (sequences paused and resumed on every shard): the same trajectories, dense and sparse.
+3. Trainer: 2 steps of the tiny run with mesh=data=2,fsdp=4 (rollouts on all 8 devices,
    parameters resharded from the FSDP layout each step) against mesh=data=1,fsdp=1.
 """
 
@@ -62,6 +65,35 @@ def engine_part():
   return out
 
 
+def agent_part():
+  from tests.agents.test_engine_parity import SPARSE, _loop, _requests, _stop_ids, sharp_model
+  model = sharp_model()
+  mesh8 = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+  out = {}
+  for name, att in (("dense", None), ("sparse", SPARSE)):
+    reqs = _requests()
+    ecfg = dict(max_seq_len=64, page_size=4, decode_chunk=4)
+    one = GenerationEngine(model, EngineConfig(num_slots=6, **ecfg), attention=att)
+    eight = GenerationEngine(model, EngineConfig(num_slots=1, num_pages=17, **ecfg),
+                             attention=att, mesh=mesh8)
+    stop = _stop_ids(one, reqs)
+    a = _loop(stop).run(reqs, engine=one)
+    b = _loop(stop).run(reqs, engine=eight)
+    out[name] = dict(
+        same_tokens=all(list(x.token_ids) == list(y.token_ids) for x, y in zip(a, b)),
+        same_mask=all(list(x.loss_mask) == list(y.loss_mask) for x, y in zip(a, b)),
+        max_logprob_diff=max(float(np.max(np.abs(x.logprobs - y.logprobs)))
+                             for x, y in zip(a, b)),
+        env_tokens=int(sum(int(np.sum(np.asarray(x.loss_mask) == 0)) for x in b)),
+        append_tokens_1dev=one.last_stats["append_tokens"],
+        append_tokens_8dev=eight.last_stats["append_tokens"],
+        prefill_tokens_8dev=eight.last_stats["prefill_tokens"],
+        prompt_tokens=sum(len(r.prompt_ids) for r in reqs),
+        preemptions_8dev=eight.last_stats["preemptions"],
+        admissions_per_device=list(eight.last_scheduler.stats.shard_admissions))
+  return out
+
+
 def trainer_part(out_dir):
   from sparrow_jax.run.config import get_train_config
   from sparrow_jax.run.trainer import Trainer
@@ -82,4 +114,5 @@ def trainer_part(out_dir):
 
 
 if __name__ == "__main__":
-  print(json.dumps({"engine": engine_part(), "trainer": trainer_part(sys.argv[1])}))
+  print(json.dumps({"engine": engine_part(), "agent": agent_part(),
+                    "trainer": trainer_part(sys.argv[1])}))

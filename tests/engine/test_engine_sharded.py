@@ -36,6 +36,19 @@ def test_sharded_engine_equals_one_device(result, case):
   assert sum(x > 0 for x in r["admissions_per_device"]) == 8  # every device did work
 
 
+@pytest.mark.parametrize("case", ["dense", "sparse"])
+def test_sharded_append_path_equals_one_device(result, case):
+  """Tool responses appended into the pages of sequences on 8 shards (6 trajectories, one
+  slot per device): the trajectories of the 1-device engine."""
+  r = result["agent"][case]
+  assert r["same_tokens"] and r["same_mask"], r
+  assert r["max_logprob_diff"] < 1e-5, r
+  assert r["env_tokens"] > 0 and r["append_tokens_8dev"] == r["append_tokens_1dev"] > 0, r
+  if r["preemptions_8dev"] == 0:  # only the prompts were prefilled: the history never was
+    assert r["prefill_tokens_8dev"] == r["prompt_tokens"], r
+  assert sum(x > 0 for x in r["admissions_per_device"]) == 6, r
+
+
 def test_sharded_training_run_equals_one_device(result):
   t = result["trainer"]
   assert t["engine_devices"] == 8
