@@ -25,6 +25,14 @@ Partial rollouts (`partial_rollouts=true`): the running sequences continue under
 weights (`partial_rollout_kv`: keep the KV, or recompute it); false: the session drains, the
 running sequences finish under the weights they started with before the new ones load.
 
+Overlap (`async_overlap=true`, with `rollout_devices`): while the learner's stages run on
+their devices, `pump` (in a thread the trainer starts after the batch is handed over and stops
+before the new weights are published) keeps running engine iterations on the engine's own
+devices: decoding the running sequences under the version being trained on, and drawing
+prompts while the cap has room with the batch being trained on still counted in it. Their tokens are trained at a later step, one version old
+or more, under the same readiness rule; only the timing decides how many chunks run then, so
+such runs are not bit-reproducible.
+
 Group advantages are computed over the whole group, whatever versions its members' tokens
 come from (verl and AReaL do the same: the advantage is the group's reward baseline; the
 off-policy part is corrected token by token by the importance weight pi_prox / mu of decoupled
@@ -40,6 +48,7 @@ under the restored weights before drawing new prompts, so no prompt is skipped o
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Any
 
@@ -78,6 +87,9 @@ class AsyncProducer(Producer):
     self._regenerate: list = []  # [(data_state, draw, [indices])] after a resume
     self._sync_s = 0.0  # the session's weight-load time already reported
     self.last_slot_steps = (0, 0)  # busy, idle slot-steps of the latest produce
+    self._mark = None  # the session's counters where the latest produce's window ended
+    self.overlap_chunks = 0  # engine iterations run by `pump` since the latest produce
+    self.overlap_s = 0.0
 
   @property
   def cap(self) -> int:
@@ -154,7 +166,9 @@ class AsyncProducer(Producer):
   def produce(self, step: int, *, version: int, schedule, lora=None) -> TrainBatch:
     """The next batch for a learner at policy `version` (module docstring)."""
     cfg, sess = self.cfg, self.session
-    before = sess.stats()
+    # (with the overlap, from the end of the previous window: `pump`'s chunks count here)
+    before = (self._mark if self.cfg.async_overlap and self._mark is not None
+              else sess.stats())
     t0 = time.perf_counter()
     if self._regenerate:
       self._regenerate_pending()
@@ -180,7 +194,7 @@ class AsyncProducer(Producer):
     comps = [c for grp in chosen for c in sorted(grp.done, key=lambda c: c.request_id[1])]
     rewards, res = self.score({grp.key: grp.example for grp in chosen}, comps)
     t2 = time.perf_counter()
-    after = sess.stats()
+    after = self._mark = sess.stats()
     info = GenerationInfo(
         completions=comps, rewards=rewards, rounds=1, rollout_s=t1 - t0, reward_s=t2 - t1,
         engine=_engine_delta(before, after), pruned=[], num_errors=res.num_errors,
@@ -216,6 +230,26 @@ class AsyncProducer(Producer):
             "async/groups_outstanding": float(len(self.groups)),
             "async/running": float(self.session.num_running)}
 
+  # --- the engine beside the learner (async_overlap) ---------------------------------------
+  def pump(self, stop: threading.Event) -> None:
+    """Engine iterations until `stop` is set or the engine has nothing to do (module doc),
+    finished sequences collected. Runs in the trainer's overlap thread while the learner's
+    stages run; nothing else touches the session then. Prompts are drawn as if the batch the
+    learner is training on were still outstanding: the engine still holds that batch's
+    version, and a draw it makes now must count against that version's cap, or more than
+    `prompts_per_step` groups could hold its tokens N steps later (staleness N + 1)."""
+    sess, n, p = self.session, 0, self.cfg.prompts_per_step
+    t0 = time.perf_counter()
+    while not stop.is_set():
+      while len(self.groups) + 2 * p <= self.cap:
+        self._draw()
+      if not sess.has_work():
+        break
+      sess.step()
+      self._collect()
+      n += 1
+    self.overlap_chunks, self.overlap_s = n, time.perf_counter() - t0
+
   # --- checkpoints ------------------------------------------------------------------------
   def state_dict(self) -> dict:
     """What resume needs: the draw counter and every outstanding group's draw position."""
@@ -232,6 +266,43 @@ class AsyncProducer(Producer):
       return
     self.draws = int(state["draws"])
     self._regenerate = [(st, int(d), [int(i) for i in idx]) for st, d, idx in state["pending"]]
+
+
+class EngineOverlap:
+  """The overlap thread of one step (`async_overlap`): `start` after the batch is handed to
+  the learner, `stop` before the new weights are published (it waits for the engine
+  iteration in progress and re-raises what the thread raised)."""
+
+  def __init__(self, producer: AsyncProducer):
+    self.producer = producer
+    self._stop = threading.Event()
+    self._thread = None
+    self._error = None
+
+  def start(self) -> None:
+    assert self._thread is None, "overlap already running"
+    self._stop.clear()
+    self._error = None
+
+    def run():
+      try:
+        self.producer.pump(self._stop)
+      except BaseException as e:  # re-raised in the trainer's thread by `stop`
+        self._error = e
+    self._thread = threading.Thread(target=run, name="engine-overlap", daemon=True)
+    self._thread.start()
+
+  def stop(self) -> dict[str, float]:
+    """Stop and join; the overlap's metrics ({} when it was not running)."""
+    if self._thread is None:
+      return {}
+    self._stop.set()
+    self._thread.join()
+    self._thread = None
+    if self._error is not None:
+      raise RuntimeError("async_overlap: the engine thread failed") from self._error
+    p = self.producer
+    return {"async/overlap_chunks": float(p.overlap_chunks), "async/overlap_s": p.overlap_s}
 
 
 def _engine_delta(before: dict, after: dict) -> dict[str, float]:

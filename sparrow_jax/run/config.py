@@ -165,6 +165,7 @@ class TrainConfig:
   partial_rollouts: bool = False  # unfinished sequences continue under the new weights
   partial_rollout_kv: str = "keep"  # keep | recompute: the running sequences' KV at an update
   rollout_devices: int = 0  # K devices for the engine apart from the learner (0 = time-share)
+  async_overlap: bool = False  # with rollout_devices: the engine decodes while the learner trains
   logprob_chunk: int = 128
   # supervised warm start (random-init models only need it)
   warmstart_steps: int = 0
@@ -432,6 +433,11 @@ def _check_async(cfg: TrainConfig) -> None:
   if isinstance(k, bool) or not isinstance(k, int) or k < 0:
     raise ValueError(f"rollout_devices={k!r}: expected an int >= 0 (K of the process's "
                      "devices for the engine, the rest for the learner; 0 = time-share them)")
+  if cfg.async_overlap and not (n and k):
+    raise ValueError(
+        f"async_overlap=true needs max_staleness >= 1 and rollout_devices >= 1 (got "
+        f"max_staleness={n}, rollout_devices={k}): the engine decodes on its own devices "
+        "while the learner trains on the rest, and what it samples then is one version old")
   if n and cfg.dynamic_sampling:
     raise ValueError(f"max_staleness={n} with dynamic_sampling=true: not supported (DAPO's "
                      "refill rounds regenerate within one step; asynchronous steps take "

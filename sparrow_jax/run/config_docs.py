@@ -172,6 +172,12 @@ KEY_DOCS: dict[str, str] = {
                        "LoRA) is copied to the engine's devices (async/weight_sync_s). 0 = "
                        "engine and learner time-share every device. One process only: a "
                        "multi-host run refuses K > 0.",
+    "async_overlap": "With rollout_devices and max_staleness > 0: the engine keeps decoding on "
+                     "its devices (a thread) while the learner's stages run on theirs, "
+                     "stopping before the new weights are published; the tokens it samples "
+                     "then are of the version being trained on (staleness >= 1 when trained). "
+                     "Which version samples a token then depends on timing: runs are not "
+                     "bit-reproducible (async/overlap_chunks, async/overlap_s).",
     "max_bad_steps": "NaN/inf steps in a row before the run stops.",
     "logprob_chunk": "Positions per LM-head chunk when log-probs are computed (bounds the "
                      "[positions x vocab] logits in memory).",

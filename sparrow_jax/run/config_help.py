@@ -63,7 +63,7 @@ KEY_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                        "dynamic_sampling",
                        "max_refill_rounds", "max_bad_steps", "logprob_chunk")),
     ("asynchronous training", ("max_staleness", "partial_rollouts", "partial_rollout_kv",
-                               "rollout_devices")),
+                               "rollout_devices", "async_overlap")),
     ("micro-batches", ("logprob_micro_batch_size", "max_tokens_per_micro_batch",
                        "logprob_max_tokens_per_micro_batch", "length_buckets_per_octave",
                        "skip_redundant_recompute")),

@@ -58,7 +58,7 @@ from sparrow_jax.run import setup
 from sparrow_jax.run import sharding as sh
 from sparrow_jax.run import stages as stages_lib
 from sparrow_jax.run import warmstart as warmstart_lib
-from sparrow_jax.run.async_producer import AsyncProducer
+from sparrow_jax.run.async_producer import AsyncProducer, EngineOverlap
 from sparrow_jax.run.batch import TrainBatch, make_batch
 from sparrow_jax.run.builders import (Preflight, build_model, make_optimizer, model_config,
                                       preflight)
@@ -166,6 +166,7 @@ class Trainer:
                              arrol_stop_ids=self.arrol_stop_ids)
     self.hooks = step_hooks(cfg, ladder_on=self.ladder is not None,
                             arrol_on=self.arrol is not None)
+    self.overlap = EngineOverlap(self.producer) if cfg.async_overlap else None
 
   def _build_engine(self, model) -> GenerationEngine:
     return GenerationEngine(
@@ -259,11 +260,16 @@ class Trainer:
     if self.cfg.max_staleness and (self.cfg.exact_alpha_every or self.ladder is not None):
       # older actors, by version (the alpha split; the ladder's total)
       snapshot = [("policy_snapshot", lambda rec: remember_policy(self))]
-    return (("generate", self._generate),
+    overlap_start, overlap_stop = (), ()
+    if self.overlap is not None:  # the engine decodes on its devices while the learner trains
+      overlap_start = (("overlap_start", lambda rec: self.overlap.start()),)
+      overlap_stop = (("overlap_stop", lambda rec: rec.out.update(self.overlap.stop())),)
+    return (("generate", self._generate), *overlap_start,
             *[(n, self._stage(fn)) for n, fn in first],
             *[(h.name, self._hook(h)) for h in hooks["before_update"]],
             *[(n, self._stage(fn)) for n, fn in rest], *snapshot,
-            ("update", self._stage(update[1])), ("publish", self._publish_update),
+            ("update", self._stage(update[1])), *overlap_stop,
+            ("publish", self._publish_update),
             *[(h.name, self._hook(h)) for h in hooks["after_update"]],
             ("metrics", self._metrics))
 
@@ -310,11 +316,15 @@ class Trainer:
     rec = StepRecord(step=self.state.step + 1)
     c0 = compile_clock.seconds()
     t0 = time.perf_counter()
-    for name, fn in self.pipeline():
-      fn = wrap(name, fn) if wrap is not None else fn
-      t1 = time.perf_counter()
-      fn(rec)
-      rec.times.setdefault(name, time.perf_counter() - t1)
+    try:
+      for name, fn in self.pipeline():
+        fn = wrap(name, fn) if wrap is not None else fn
+        t1 = time.perf_counter()
+        fn(rec)
+        rec.times.setdefault(name, time.perf_counter() - t1)
+    finally:
+      if self.overlap is not None:  # (a stage failed or was interrupted: the engine stops too)
+        self.overlap.stop()
     rec.out["time/step_s"] = time.perf_counter() - t0
     # Part of the phase times above that was compilation (lowering + XLA), in any phase.
     rec.out["time/compile_s"] = compile_clock.seconds() - c0

@@ -52,10 +52,23 @@ def main(out_dir: str) -> None:
           staleness_max=max(m["async/staleness_max"] for m in [first, *later]),
           partial_frac=[m["async/partial_frac"] for m in [first, *later]],
           finite=all(np.isfinite(m["loss/total"]) for m in [first, *later]))
+  # async_overlap: the engine decodes on devices 4-7 while the learner trains on 0-3.
+  cfg = get_train_config("tiny", SMALL + [f"out_dir={out_dir}/overlap", "rollout_devices=4",
+                                          "async_overlap=true"])
+  with Trainer(cfg, quiet=True) as tr:
+    ms = [tr.train_step() for _ in range(4)]
+    overlap = dict(
+        steps=int(tr.state.step), chunks=[m["async/overlap_chunks"] for m in ms],
+        overlap_s=[m["async/overlap_s"] for m in ms],
+        staleness_max=max(m["async/staleness_max"] for m in ms),
+        over_stale=sum(m["async/over_stale_tokens"] for m in ms),
+        trained_tokens=[m["rollout/tokens"] for m in ms],
+        finite=all(np.isfinite(m["loss/total"]) for m in ms))
   a, b = res[0], res[4]
   lp = max(float(np.max(np.abs(np.subtract(x, y)))) for x, y in zip(a["logprobs"],
                                                                     b["logprobs"]))
-  print(json.dumps({"shared": {k: v for k, v in a.items() if k not in ("tokens", "logprobs")},
+  print(json.dumps({"overlap": overlap,
+                    "shared": {k: v for k, v in a.items() if k not in ("tokens", "logprobs")},
                     "split": {k: v for k, v in b.items() if k not in ("tokens", "logprobs")},
                     "same_tokens": a["tokens"] == b["tokens"], "same_ids": a["ids"] == b["ids"],
                     "same_versions": a["versions"] == b["versions"],

@@ -29,7 +29,9 @@ def test_async_keys_refused_where_they_cannot_work():
                   (dict(max_staleness=1, dynamic_sampling=True), "dynamic_sampling"),
                   (dict(max_staleness=1, arrol=True, max_new_tokens=64), "arrol=true"),
                   (dict(max_staleness=1, partial_rollout_kv="drop"), "partial_rollout_kv"),
-                  (dict(max_staleness=1, val_every=5), "val_every=5")):
+                  (dict(max_staleness=1, val_every=5), "val_every=5"),
+                  (dict(async_overlap=True, max_staleness=1), "rollout_devices=0"),
+                  (dict(async_overlap=True, rollout_devices=2), "max_staleness=0")):
     with pytest.raises(ValueError, match=msg):
       TrainConfig(**kw)
   # the pool lives through training; the behaviour weight is capped unless a key says
@@ -208,6 +210,11 @@ def test_rollout_devices_first_step_equals_the_time_shared_one(tmp_path):
   # every update's weights copied to the engine's devices, timed; the async bound holds there
   assert all(t is not None and t > 0 for t in split["weight_sync_s"]), split
   assert split["staleness_max"] <= 1 and max(split["partial_frac"]) > 0
+  # async_overlap: the engine ran iterations while the learner trained, within the bound.
+  ov = res["overlap"]
+  assert ov["steps"] == 4 and ov["finite"], ov
+  assert sum(ov["chunks"]) > 0 and all(s >= 0 for s in ov["overlap_s"]), ov
+  assert ov["staleness_max"] <= 1 and ov["over_stale"] == 0, ov
 
 
 class _StaleLearner:
