@@ -2,8 +2,9 @@ r"""Multi-turn rollouts two ways on one batch of a trained tool-use run: the eng
 that pauses a sequence at a tool call and appends the environment's tokens into its pages
 (the agent loop's default) against rounds that re-prefill each trajectory's whole context
 (`Request.context_ids`). Prints tokens prefilled and appended per trajectory, rollout wall
-time (median of --repeats, the two paths alternating), and checks that both paths give the
-same trajectories token for token.
+time and the time inside the engine's prefill and append calls (host + device, medians of
+--repeats, the two paths alternating), and checks that both paths give the same
+trajectories token for token.
 
     python benchmarks/agent_append.py --checkpoint runs/tiny_tools
 """
@@ -47,6 +48,18 @@ def main(argv=None) -> int:
   agent = make_agent_loop(cfg, trainer.tokenizer)
   keys = ("prefill_tokens", "append_tokens", "recomputed_tokens", "preemptions",
           "decode_steps")
+  spent = {"prefill": 0.0, "append": 0.0}  # seconds inside the engine's calls, per run
+
+  def timed(name, fn):
+    def call(*a, **kw):
+      t0 = time.perf_counter()
+      try:
+        return fn(*a, **kw)
+      finally:
+        spent[name] += time.perf_counter() - t0
+    return call
+  engine._prefill = timed("prefill", engine._prefill)
+  engine._append = timed("append", engine._append)
 
   def append_path():
     return agent.run(reqs, engine=engine), dict(engine.last_stats)
@@ -63,14 +76,18 @@ def main(argv=None) -> int:
 
   runs_ = {"append": append_path, "re-prefill": reprefill_path}
   times = {k: [] for k in runs_}
+  calls_s = {k: {"prefill": [], "append": []} for k in runs_}
   result = {}
   append_path()  # compile both paths' programs first
   reprefill_path()
   for _ in range(args.repeats):
     for name, fn in runs_.items():
+      spent.update(prefill=0.0, append=0.0)
       t0 = time.perf_counter()
       result[name] = fn()
       times[name].append(time.perf_counter() - t0)
+      for k in spent:
+        calls_s[name][k].append(spent[k])
   (a, sa), (b, sb) = result["append"], result["re-prefill"]
   same = all(np.array_equal(x.token_ids, y.token_ids) and np.array_equal(x.loss_mask, y.loss_mask)
              for x, y in zip(a, b))
@@ -85,7 +102,9 @@ def main(argv=None) -> int:
     per = {k: st[k] / n for k in keys}
     print(f"{name:>10}: prefill {per['prefill_tokens']:.1f}  append {per['append_tokens']:.1f}  "
           f"recomputed {per['recomputed_tokens']:.1f} tokens/trajectory; decode steps "
-          f"{st['decode_steps']}; wall {statistics.median(times[name]):.2f} s (median of "
+          f"{st['decode_steps']}; wall {statistics.median(times[name]):.2f} s, in prefill "
+          f"calls {statistics.median(calls_s[name]['prefill']) * 1e3:.0f} ms, in append calls "
+          f"{statistics.median(calls_s[name]['append']) * 1e3:.0f} ms (medians of "
           f"{args.repeats})")
   written = lambda st: st["prefill_tokens"] + st["append_tokens"]
   print(f"tokens written into the KV per trajectory: re-prefill / append = "
