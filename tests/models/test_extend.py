@@ -2,8 +2,8 @@
 (the engine's append of environment tokens) equals the decode step fed the same tokens one at
 a time: the same keys, values and landmarks in the same pages, the same logits of each row's
 last token, and decode continuing after it gives the same logits. Dense and block-sparse (mean
-and quest landmarks), with chunks that cross page boundaries, a row that writes nothing and a
-padding row."""
+and quest landmarks, and with a LoRA adapter), with chunks that cross page boundaries, a row
+that writes nothing and a padding row."""
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +15,7 @@ from sparrow_jax.models import attention as attn_lib
 from sparrow_jax.models.config import get_config
 from sparrow_jax.models.decoder import init_model
 from sparrow_jax.models.kv_cache import PagedKVCache, page_table_row
+from sparrow_jax.models.lora import LoRAConfig, init_lora
 from sparrow_jax.schedule.schedule import SparsitySchedule, budget_pages
 
 PAGE = 4
@@ -36,19 +37,28 @@ def _setup(spec):
   return cfg, model, cache, jnp.asarray(rows)
 
 
-def _fns(model, spec, table):
+def _lora(cfg):
+  """An adapter with non-zero B (a fresh one adds exactly 0)."""
+  lora = init_lora(cfg, LoRAConfig(rank=4), jax.random.key(1))
+  keys = iter(jax.random.split(jax.random.key(2), 64))
+  return {"layers": [
+      {t: dict(p, b=0.05 * jax.random.normal(next(keys), p["b"].shape)) for t, p in e.items()}
+      for e in lora["layers"]]}
+
+
+def _fns(model, spec, table, lora=None):
   graphdef, state = nnx.split(model)
   tab = None if table is None else jnp.asarray(table.budgets, jnp.int32)
 
   @jax.jit
   def prefill(cache, tokens, lengths, slots, rows):
-    return nnx.merge(graphdef, state).prefill(cache, tokens, lengths, slots, rows)
+    return nnx.merge(graphdef, state).prefill(cache, tokens, lengths, slots, rows, lora=lora)
 
   @jax.jit
   def decode(cache, tok, active):
     budgets = None if table is None else budget_pages(table, cache.lengths + 1, tab)
     return nnx.merge(graphdef, state).decode(cache, tok, active, attention=spec,
-                                             budgets=budgets)
+                                             budgets=budgets, lora=lora)
 
   @jax.jit
   def extend(cache, tokens, n_in, slots):
@@ -58,7 +68,7 @@ def _fns(model, spec, table):
       pos = start[:, None] + jnp.arange(tokens.shape[1])[None, :]
       budgets = budget_pages(table, pos + 1, tab)
     return nnx.merge(graphdef, state).extend(cache, tokens, n_in, slots, attention=spec,
-                                             budgets=budgets)
+                                             budgets=budgets, lora=lora)
   return prefill, decode, extend
 
 
@@ -97,11 +107,12 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(SPECS) + ["sparse_mean_lora"])
 def test_extend_equals_decode_steps(name):
-  spec, table = SPECS[name]
+  spec, table = SPECS[name.removesuffix("_lora")]
   cfg, model, cache0, rows = _setup(spec)
-  prefill, decode, extend = _fns(model, spec, table)
+  lora = _lora(cfg) if name.endswith("_lora") else None
+  prefill, decode, extend = _fns(model, spec, table, lora)
   rng = np.random.default_rng(11)
   plen = np.array([9, 22, 5], np.int32)
   ptoks = np.zeros((SLOTS, 32), np.int32)
