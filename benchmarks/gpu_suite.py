@@ -65,8 +65,14 @@ Sections (registered in `SECTIONS`; `--sections` takes their letters or names):
                           partial_rollouts=true on lognormal response lengths: trained
                           tokens/s, engine occupancy, decode steps per mode, the ratio. A
                           call of its own (`--sections k`), like j.
+  l append_extend_vs_decode  the engine's append of environment tokens (issue 49): F = 64,
+                          32, 16 tokens written at the ends of 32 sequences holding 8K tokens
+                          each (random-init Qwen3-1.7B, bf16, random K/V and landmarks), by
+                          one `Decoder.extend` call and by the F decode steps it replaced,
+                          with the published schedule then dense: ms per append of each way,
+                          decode over extend, max |logit difference| of the two ways.
 Sections g, h, j and k run their jobs in their own processes and go first (this process does not
-preallocate GPU memory, so those jobs get the device); then a-e, i and f (f last: the time
+preallocate GPU memory, so those jobs get the device); then a-e, i, l and f (f last: the time
 guard of a full run cuts it first).
 A section is a function registered with `@section(letter, name, budget_s)`; it returns a dict of
 its numbers. Every section gets a time guard (its budget, capped by what is left of
@@ -861,6 +867,158 @@ def engine_profile(run: Run) -> dict:
     del eng, state
     gc.collect()
   return result
+
+
+# Section l: the append of a resumed sequence's environment tokens (`GenerationEngine._append`)
+# as one chunked prefill at the sequences' ends (`Decoder.extend`) against the loop of decode
+# steps it replaced (issue 49). Sequences, tokens each already holds, chunk widths (tokens
+# appended per sequence, the engine's `_APPEND_CHUNK` first) timed in this order.
+FULL_APPEND = dict(batch=32, context=8192, chunks=(64, 32, 16))
+SMOKE_APPEND = dict(batch=2, context=200, chunks=(16,))  # 200: the chunk crosses a page
+
+
+def _append_cache(run: Run, mcfg, att, batch: int, context: int, max_chunk: int,
+                  page_size: int, seed: int = 0):
+  """A paged cache of `batch` sequences holding `context` tokens each (random K/V and the
+  landmarks of those keys in every page, `make_fill_layer`, written in place), with pages for
+  `max_chunk` more per sequence in shuffled physical pages; bf16 like the engine's pool, the
+  landmarks of `att` (none for dense)."""
+  from sparrow_jax.models import attention as attn_lib
+  from sparrow_jax.models.kv_cache import PagedKVCache
+
+  sparse = isinstance(att, attn_lib.BlockSparse)
+  kind = att.landmark if sparse else "none"
+  per_seq = -(-(context + max_chunk) // page_size)
+  cache = PagedKVCache.create(
+      num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+      num_slots=batch, num_pages=batch * per_seq + 1, max_pages_per_seq=per_seq,
+      page_size=page_size, dtype=jnp.dtype(mcfg.dtype), landmark=kind,
+      landmark_dtype=att.landmark_dtype if sparse else "float32")
+  fill_layer = make_fill_layer(kind)
+  key = jax.random.key(seed)
+  ks, vs, lms = [], [], []
+  for i in range(cache.num_layers):
+    k, v, lm = fill_layer(cache.k[i], cache.v[i], cache.landmarks[i], jax.random.fold_in(key, i))
+    jax.block_until_ready(k)
+    ks.append(k)
+    vs.append(v)
+    lms.append(lm)
+  rng = np.random.default_rng(seed)
+  table = 1 + rng.permutation(batch * per_seq).reshape(batch, per_seq)
+  return cache.replace(k=tuple(ks), v=tuple(vs), landmarks=tuple(lms),
+                       page_table=jnp.asarray(table, jnp.int32),
+                       lengths=jnp.full((batch,), context, jnp.int32))
+
+
+def _append_fns(graphdef, att, sched_):
+  """(extend, decode), jitted with the cache donated as the engine's programs donate it: one
+  chunk `[n, F]` appended by `Decoder.extend` (budgets `budget_pages` at each query's position
+  + 1), or one decode step (budgets at `lengths + 1`); `table` the schedule's budgets as a
+  traced input, as the engine passes them (None for dense)."""
+  from flax import nnx
+
+  from sparrow_jax.schedule.schedule import budget_pages
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def extend(state, cache, tokens, n_in, slots, table):
+    budgets = None
+    if sched_ is not None:
+      pos = cache.lengths[slots][:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+      budgets = budget_pages(sched_, pos + 1, table)
+    return nnx.merge(graphdef, state).extend(cache, tokens, n_in, slots, attention=att,
+                                             budgets=budgets)
+
+  @functools.partial(jax.jit, donate_argnums=(1,))
+  def decode(state, cache, tok, active, table):
+    budgets = None if sched_ is None else budget_pages(sched_, cache.lengths + 1, table)
+    return nnx.merge(graphdef, state).decode(cache, tok, active, attention=att,
+                                             budgets=budgets)
+
+  return extend, decode
+
+
+@section("l", "append_extend_vs_decode", budget_s=150)
+def append_extend_vs_decode(run: Run) -> dict:
+  """The engine's append (issue 49): F environment tokens written at the ends of `batch`
+  sequences holding `context` tokens each, random-init model of `run.engine` (Qwen3-1.7B,
+  bf16) dense and with the published schedule (section e's attention), two ways on the same
+  cache: one `Decoder.extend` call, and the F decode steps it replaced (one jitted call per
+  token, all sequences active, budgets by position). Per (attention, F): ms per append of
+  each way (median over `repeats`, the compiling call excluded; every call starts from the
+  same `context` lengths and donates the cache, as the engine's programs do), decode over
+  extend, and the largest |difference| of the two ways' final logits (bf16 rounding only)."""
+  from flax import nnx
+
+  z = SMOKE_APPEND if run.smoke else FULL_APPEND
+  b, ctx, chunks = z["batch"], z["context"], tuple(z["chunks"])
+  # the sparse attention's static max budget: what positions up to ctx + F ask for
+  mcfg, model, sched_, dense_att, sparse_att = _engine_parts(run, ctx + max(chunks))
+  page = sched_.page_size
+  graphdef, state = nnx.split(model)
+  table = jnp.asarray(sched_.budgets, jnp.int32)
+  rng = np.random.default_rng(0)
+  rows, errors = [], {}
+  slots = jnp.arange(b, dtype=jnp.int32)
+  active = jnp.ones((b,), bool)
+
+  def timed(call, cache):
+    """Median ms of `repeats` calls (the first, compiling one excluded), each from `ctx`
+    tokens held: (cache, the last call's logits, ms)."""
+    times, logits = [], None
+    for r in range(run.sizes.repeats + 1):
+      cache = cache.replace(lengths=jnp.full((b,), ctx, jnp.int32))  # a fresh (donated) copy
+      jax.block_until_ready(cache.lengths)
+      t0 = time.perf_counter()
+      cache, logits = call(cache)
+      jax.block_until_ready((cache, logits))
+      if r:
+        times.append(time.perf_counter() - t0)
+    return cache, logits, 1e3 * statistics.median(times)
+
+  # the sparse attention first: the engine's sparse actor is what appends tool responses
+  for name, att, sch in (("sparse", sparse_att, sched_), ("dense", dense_att, None)):
+    if not run.has_time(name):
+      continue
+    cache = None
+    try:
+      extend, decode = _append_fns(graphdef, att, sch)
+      tab = None if sch is None else table
+      cache = _append_cache(run, mcfg, att, b, ctx, max(chunks), page)
+      for f in chunks:
+        if not run.has_time(f"{name} F={f}"):
+          continue
+        tokens = jnp.asarray(rng.integers(1, mcfg.vocab_size, (b, f)), jnp.int32)
+        n_in = jnp.full((b,), f, jnp.int32)
+        cols = [tokens[:, j] for j in range(f)]
+
+        def by_extend(c):
+          return extend(state, c, tokens, n_in, slots, tab)
+
+        def by_decode(c):
+          for tok in cols:
+            c, logits = decode(state, c, tok, active, tab)
+          return c, logits
+
+        cache, ext_logits, ext_ms = timed(by_extend, cache)
+        cache, dec_logits, dec_ms = timed(by_decode, cache)
+        ext_logits, dec_logits = (np.asarray(x, np.float32) for x in (ext_logits, dec_logits))
+        rows.append(dict(attention=name, chunk=f, extend_ms=ext_ms, decode_loop_ms=dec_ms,
+                         decode_step_ms=dec_ms / f, ratio=dec_ms / ext_ms,
+                         extend_tok_s=b * f * 1e3 / ext_ms, decode_tok_s=b * f * 1e3 / dec_ms,
+                         max_abs_logit_diff=float(np.max(np.abs(ext_logits - dec_logits))),
+                         max_abs_logit=float(np.max(np.abs(dec_logits)))))
+        print(f"[l] {name} F={f}: extend {ext_ms:.3f} ms, {f} decode steps {dec_ms:.3f} ms "
+              f"({dec_ms / ext_ms:.2f}x)", flush=True)
+    except jax.errors.JaxRuntimeError as e:  # e.g. out of memory: the other attention runs
+      errors[name] = str(e).split("\n")[0][:300]
+    del cache
+    gc.collect()
+  if errors and not rows:
+    raise CheckFailed(f"nothing measured: {errors}")
+  return dict(model=mcfg.name, layers=mcfg.num_layers, schedule=sched_.name,
+              landmark_dtype=sparse_att.landmark_dtype, batch=b, context=ctx, page_size=page,
+              chunks=list(chunks), rows=rows, errors=errors,
+              note="contexts filled with random K/V and their landmarks; bf16 weights/cache")
 
 
 @section("f", "readmission_agreement", budget_s=150)

@@ -47,7 +47,8 @@ def test_smoke_run_writes_every_section(tmp_path):
   assert list(sections) == ["g_main_job", "h_preset_step", "j_step_dense_vs_sparse",
                             "k_async_vs_sync", "a_kernels_vs_reference",
                             "b_copy_bandwidth", "c_sparse_bandwidth", "d_dense_baseline",
-                            "e_engine_decode", "i_engine_profile", "f_readmission_agreement"]
+                            "e_engine_decode", "i_engine_profile",
+                            "l_append_extend_vs_decode", "f_readmission_agreement"]
   assert all(s["status"] == "ok" for s in sections.values()), sections
 
   checks = sections["a_kernels_vs_reference"]["results"]["checks"]
@@ -116,6 +117,18 @@ def test_smoke_run_writes_every_section(tmp_path):
                  for k in t["kernels"] + t["groups"])
     # the interpreter's ops carry no kernel names: no page-score kernel time on CPU
     assert prof[name]["page_scores_us_per_step"] == prof[name]["page_scoring_share"] == 0.0
+
+  append = sections["l_append_extend_vs_decode"]["results"]
+  assert append["schedule"] == "qwen3-1.7b-0.86" and append["errors"] == {}
+  assert (append["batch"], append["context"], append["chunks"]) == (2, 200, [16])
+  assert [(r["attention"], r["chunk"]) for r in append["rows"]] == [("sparse", 16),
+                                                                    ("dense", 16)]
+  for r in append["rows"]:
+    assert all(_positive(r[k]) for k in ("extend_ms", "decode_loop_ms", "decode_step_ms",
+                                         "ratio", "extend_tok_s", "decode_tok_s"))
+    assert math.isclose(r["ratio"], r["decode_loop_ms"] / r["extend_ms"])
+    # the same logits both ways up to the bf16 model's rounding (float32: ~1e-7)
+    assert 0 <= r["max_abs_logit_diff"] < 1e-2 and _positive(r["max_abs_logit"])
 
   job = sections["g_main_job"]["results"]
   assert job["command"] == "python experiments/train.py --config tiny num_steps=1 warmstart_steps=0"
@@ -205,6 +218,26 @@ def test_engine_batch_is_what_the_preset_pool_holds(suite):
   assert 16 < got[32768] < got[16384] <= got[8192] == 64  # more than runs 1-6's 16 at 32K
   fixed = suite.Run(suite.FULL, False, 60.0, engine=dict(suite.FULL_ENGINE, batch=16))
   assert suite.engine_batch(fixed, 32768, 7, 16) == 16
+
+
+def test_append_section_cache_fits_an_h100_beside_the_model(suite):
+  """Section l's cache at Qwen3-1.7B shapes (32 sequences x 8K tokens + the widest chunk, bf16
+  K/V and the sparse attention's bf16 landmarks; one cache at a time): ~31 GB, with the bf16
+  weights (~4 GB) well inside an H100's 78 GiB."""
+  from sparrow_jax.models.config import get_config
+  from sparrow_jax.models.kv_cache import kv_bytes_per_page
+  from sparrow_jax.schedule import get_schedule
+
+  z, sched_ = suite.FULL_APPEND, get_schedule("qwen3-1.7b-0.86")
+  assert suite.FULL_ENGINE["model"] == "qwen3_1p7b" and max(z["chunks"]) == 64
+  mcfg = get_config("qwen3_1p7b")
+  per_seq = -(-(z["context"] + max(z["chunks"])) // sched_.page_size)
+  pages = z["batch"] * per_seq + 1
+  nbytes = pages * kv_bytes_per_page(
+      num_layers=mcfg.num_layers, num_kv_heads=mcfg.num_kv_heads, head_dim=mcfg.head_dim,
+      page_size=sched_.page_size, dtype="bfloat16", landmark=sched_.landmark,
+      landmark_dtype="bfloat16")
+  assert 25e9 < nbytes < 0.45 * 78 * 2 ** 30
 
 
 def test_page_scoring_share_of_the_busiest_stream(suite):
