@@ -29,9 +29,9 @@ Overlap (`async_overlap=true`, with `rollout_devices`): while the learner's stag
 their devices, `pump` (in a thread the trainer starts after the batch is handed over and stops
 before the new weights are published) keeps running engine iterations on the engine's own
 devices: decoding the running sequences under the version being trained on, and drawing
-prompts while the cap has room with the batch being trained on still counted in it. Their tokens are trained at a later step, one version old
-or more, under the same readiness rule; only the timing decides how many chunks run then, so
-such runs are not bit-reproducible.
+prompts while the cap has room with the batch being trained on still counted in it. Their
+tokens are trained at a later step, one version old or more, under the same readiness rule;
+only the timing decides how many chunks run then, so such runs are not bit-reproducible.
 
 Group advantages are computed over the whole group, whatever versions its members' tokens
 come from (verl and AReaL do the same: the advantage is the group's reward baseline; the
