@@ -20,7 +20,8 @@ Two ways to run the turns, with the same trajectories token for token:
     sequence's own pages at their true positions (one chunked prefill at the sequence's end,
     every query attending as decode would there) and it decodes on. The history is never
     prefilled again: the engine's `prefill_tokens` are the prompts (plus readmissions after
-    a preemption) and its `append_tokens` the environment's tokens (plus the token each pause stopped on).
+    a preemption) and its `append_tokens` the environment's tokens (plus the token each
+    pause stopped on).
   `run(requests, generate)` (the reference): rounds; each sends every live trajectory to
     `generate` as one request, the trajectory so far as its context (`Request.context_ids`),
     which the engine prefills as it readmits a preempted sequence (block-sparse beyond the
