@@ -281,6 +281,9 @@ def summarize(recs: dict[int, dict], tau: float) -> dict:
       "ess": get("rollout_corr/ess"), "rejected_frac": get("rollout_corr/rejected_token_frac"),
       "ess_mean": _mean(get("rollout_corr/ess")),
       "rejected_frac_mean": _mean(get("rollout_corr/rejected_token_frac")),
+      "rejected_seq_frac": get("rollout_corr/rejected_seq_frac"),
+      "rejected_seq_frac_mean": _mean(get("rollout_corr/rejected_seq_frac")),
+      "is_weight_max": get("rollout_corr/is_weight_max"),
       # the teacher-forced sparse actor replaying the engine's sampled-token log-probs
       "replay_logp_maxdiff": get("mismatch/replay_logp_maxdiff"),
       "replay_frac_off": get("mismatch/replay_frac_off"),
@@ -433,27 +436,55 @@ def permutation_p(a: list[float], b: list[float]) -> tuple[float, float]:
   return one, two
 
 
-def vs_dense(rows: list[dict], k: int) -> list[str]:
-  """Each arm and schedule against the dense arm: the per-seed differences of held-out avg@k
-  where both ran the seed (same seed = same data order), and the exact permutation test of
-  the difference of their means over all their seeds. Empty without dense seeds."""
-  dense = {r["seed"]: r[f"heldout_avg{k}_after"] for r in rows if r["arm"] == "dense"}
-  if not dense:
+def versus(rows: list[dict], k: int, base: str = "dense", arms=None,
+           metric: str = "avg") -> list[str]:
+  """Each arm and schedule (`arms`: those names only; default every arm but `base`) against
+  the arm `base`: the per-seed differences of held-out `metric`@k (avg or pass) where both ran
+  the seed (same seed = same data order), and the exact permutation test of the difference of
+  their means over all their seeds. Empty without seeds of `base` or without arms to list."""
+  key_of = f"heldout_{metric}{k}_after"
+  ref = {r["seed"]: r[key_of] for r in rows if r["arm"] == base}
+  listed = [r for r in rows if r["arm"] != base and (arms is None or r["arm"] in arms)]
+  if not ref or not listed:
     return []
-  out = [f"| arm | schedule | seeds | avg@{k} minus dense's, same seed: mean (min-max) | seeds "
-         "above dense's same seed | mean minus dense's mean (all seeds) | permutation p, "
-         "one-sided / two-sided |",
+  out = [f"| arm | schedule | seeds | {metric}@{k} minus {base}'s, same seed: mean (min-max) | "
+         f"seeds above {base}'s same seed | mean minus {base}'s mean (all seeds) | "
+         "permutation p, one-sided / two-sided |",
          "|---|---|---|---|---|---|---|"]
-  for key, rs, names in _arm_groups([r for r in rows if r["arm"] != "dense"]):
-    after = [r[f"heldout_avg{k}_after"] for r in rs]
-    paired = [r[f"heldout_avg{k}_after"] - dense[r["seed"]] for r in rs if r["seed"] in dense]
+  for key, rs, names in _arm_groups(listed):
+    after = [r[key_of] for r in rs]
+    paired = [r[key_of] - ref[r["seed"]] for r in rs if r["seed"] in ref]
     pair_s = (f"{statistics.fmean(paired):+.3f} ({min(paired):+.3f} to {max(paired):+.3f})"
               if paired else "-")
     above = f"{sum(d > 0 for d in paired)} of {len(paired)}" if paired else "-"
-    one, two = permutation_p(after, list(dense.values()))
+    one, two = permutation_p(after, list(ref.values()))
     out.append(f"| {key[0]} | {names} | {', '.join(str(r['seed']) for r in rs)} | {pair_s} | "
-               f"{above} | {statistics.fmean(after) - statistics.fmean(dense.values()):+.3f} | "
+               f"{above} | {statistics.fmean(after) - statistics.fmean(ref.values()):+.3f} | "
                f"{one:.3f} / {two:.3f} |")
+  return out
+
+
+def vs_dense(rows: list[dict], k: int) -> list[str]:
+  """Each arm and schedule against the dense arm (`versus` with base `dense`, avg@k)."""
+  return versus(rows, k, "dense")
+
+
+def cost_and_correction(rows: list[dict]) -> list[str]:
+  """One line per arm and schedule over its seeds: the rollout's seconds per step (each run's
+  median, then the mean over seeds: wall-clock on whatever shared this CPU) and the rollout
+  correction's per-step ESS / N, rejected token and sequence fractions and largest IS weight
+  (means over steps, then over seeds; '-' for arms without a correction)."""
+  fmt = lambda v: "-" if v is None else f"{v:.3f}"
+  out = ["| arm | schedule | seeds | rollout s/step | ESS / N, mean | rejected tokens, mean | "
+         "rejected sequences, mean | largest IS weight, mean |",
+         "|---|---|---|---|---|---|---|---|"]
+  for key, rs, names in _arm_groups(rows):
+    w_max = _mean(_mean(r.get("is_weight_max") or []) for r in rs)
+    out.append(f"| {key[0]} | {names} | {', '.join(str(r['seed']) for r in rs)} | "
+               f"{fmt(_mean(r.get('rollout_s_per_step') for r in rs))} | "
+               f"{fmt(_mean(r.get('ess_mean') for r in rs))} | "
+               f"{fmt(_mean(r.get('rejected_frac_mean') for r in rs))} | "
+               f"{fmt(_mean(r.get('rejected_seq_frac_mean') for r in rs))} | {fmt(w_max)} |")
   return out
 
 
@@ -473,8 +504,9 @@ def report(args) -> int:
   k = args.k
   lines = [f"| arm | seed | steps | schedule | held-out avg@{k} before | after | pass@{k} after | "
            "rollout s/step | exact p5 mean | exact p5 min | monitor bound min | "
-           "bound on the exact rows, mean | rho > 2, mean | KL(q, pi), mean |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "bound on the exact rows, mean | rho > 2, mean | KL(q, pi), mean | ESS / N, mean | "
+           "rejected tokens, mean |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   fmt = lambda v, d=3: "-" if v is None else f"{v:.{d}f}"
   for r in sorted(rows, key=lambda r: (_arm_rank(r["arm"]), r["seed"])):
     sched = _sched_name(r["schedule"])
@@ -483,11 +515,19 @@ def report(args) -> int:
                  f"{fmt(r[f'heldout_pass{k}_after'])} | {fmt(r['rollout_s_per_step'], 1)} | "
                  f"{fmt(r['p5_exact_mean'])} | {fmt(r['p5_exact_min'])} | "
                  f"{fmt(r['p5_bound_min'])} | {fmt(r.get('p5_bound_exact_rows_mean'))} | "
-                 f"{fmt(r.get('tis_frac_above_cap_mean'), 4)} | {fmt(r.get('tis_kl_mean'), 4)} |")
+                 f"{fmt(r.get('tis_frac_above_cap_mean'), 4)} | {fmt(r.get('tis_kl_mean'), 4)} | "
+                 f"{fmt(r.get('ess_mean'))} | {fmt(r.get('rejected_frac_mean'), 4)} |")
   table = "\n".join(lines) + "\n\n" + "\n".join(arm_summary(rows, k)) + "\n"
-  versus = vs_dense(rows, k)
-  if versus:
-    table += "\n" + "\n".join(versus) + "\n"
+  table += "\n" + "\n".join(cost_and_correction(rows)) + "\n"
+  # every arm against dense; the corrected arms also against the uncorrected aggressive arms
+  # they modify (with and without DistillSparse), on avg@k and on pass@k
+  corrected = set(CORRECTION_ARMS)
+  for base, arms in (("dense", None), ("aggressive", corrected),
+                     ("aggressive_distill", corrected)):
+    for metric in ("avg", "pass"):
+      vs = versus(rows, k, base, arms, metric)
+      if vs:
+        table += "\n" + "\n".join(vs) + "\n"
   fig = _figures(rows, args.out)
   print(table)
   if args.report_md:

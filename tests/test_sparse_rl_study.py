@@ -205,3 +205,38 @@ def test_vs_dense_pairs_seeds_and_tests_all_of_them():
   assert lines[3].startswith("| aggressive | constant:2 | 1, 3 | -0.140 (-0.140 to -0.140) "
                              "| 0 of 1 | -0.040 | "), lines[3]
   assert study.vs_dense([r for r in rows if r["arm"] != "dense"], 4) == []
+
+
+def test_versus_compares_corrected_arms_with_their_base_on_avg_and_pass():
+  row = lambda arm, seed, avg, pas: {"arm": arm, "seed": seed, "schedule": "constant:2",
+                                     "heldout_avg4_after": avg, "heldout_pass4_after": pas}
+  rows = [row("dense", 0, 0.70, 0.80), row("aggressive", 0, 0.60, 0.75),
+          row("aggressive", 1, 0.64, 0.70), row("aggressive_token_tis", 0, 0.66, 0.74),
+          row("aggressive_token_tis", 1, 0.68, 0.78), row("aggressive_distill", 0, 0.65, 0.8)]
+  lines = study.versus(rows, 4, "aggressive", {"aggressive_token_tis"})
+  assert len(lines) == 3 and "avg@4 minus aggressive's" in lines[0], lines
+  # same seeds: +0.06, +0.04; 2 vs 2 with both above: 1 of C(4, 2) = 6 splits one-sided
+  assert lines[2] == ("| aggressive_token_tis | constant:2 | 0, 1 | +0.050 (+0.040 to +0.060) "
+                      "| 2 of 2 | +0.050 | 0.167 / 0.333 |"), lines[2]
+  # pass@4: -0.01 and +0.08
+  (line,) = study.versus(rows, 4, "aggressive", {"aggressive_token_tis"}, "pass")[2:]
+  assert line.startswith("| aggressive_token_tis | constant:2 | 0, 1 | +0.035 (-0.010 to "
+                         "+0.080) | 1 of 2 | +0.035 |"), line
+  # no listed arm, or no seed of the base: nothing
+  assert study.versus(rows, 4, "aggressive", {"aggressive_icepop"}) == []
+  assert study.versus(rows, 4, "tau", {"aggressive_token_tis"}) == []
+  assert study.vs_dense(rows, 4) == study.versus(rows, 4, "dense")
+
+
+def test_cost_and_correction_means_over_steps_then_seeds():
+  rows = [{"arm": "dense", "seed": 0, "schedule": "dense", "rollout_s_per_step": 4.0},
+          {"arm": "aggressive_geo_rs_token_tis", "seed": 0, "schedule": "constant:2",
+           "rollout_s_per_step": 6.0, "ess_mean": 0.8, "rejected_frac_mean": 0.4,
+           "rejected_seq_frac_mean": 0.3, "is_weight_max": [2.0, 4.0]},
+          {"arm": "aggressive_geo_rs_token_tis", "seed": 1, "schedule": "constant:2",
+           "rollout_s_per_step": 8.0, "ess_mean": 0.9, "rejected_frac_mean": 0.2,
+           "rejected_seq_frac_mean": 0.1, "is_weight_max": [1.0, None]}]
+  lines = study.cost_and_correction(rows)
+  assert lines[2] == "| dense | dense | 0 | 4.000 | - | - | - | - |", lines[2]
+  assert lines[3] == ("| aggressive_geo_rs_token_tis | constant:2 | 0, 1 | 7.000 | 0.850 | "
+                      "0.300 | 0.200 | 2.000 |"), lines[3]
